@@ -1,0 +1,1 @@
+"""Long-context evaluation: passkey, needle-in-a-haystack, perplexity, lm-eval tasks."""

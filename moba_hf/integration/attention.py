@@ -1,0 +1,131 @@
+"""The "moba" attention function transformers calls for every attention layer.
+
+transformers hands us post-RoPE queries [B, Hq, Nq, D] and the (cache-updated) keys / values
+[B, Hkv, Nk, D]; we return [B, Nq, Hq, D]. Hybrid layers run dense causal attention; padded and packed
+rows are split into their sequences so blocks never mix tokens of different sequences.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from typing import Any
+
+import torch
+
+from ..config import MobaConfig
+from ..kernels import causal_attention, moba_attention, resolve_backend, selected_blocks
+from . import sparsity
+from .layout import sequence_spans
+
+logger = logging.getLogger("moba_hf")
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+_warned_default: set[int] = set()
+
+
+def check_supported(model_config: Any) -> None:
+    """Refuse (ValueError) a model this implementation does not cover, saying what is supported."""
+    model_type = getattr(model_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"moba_hf supports model types {', '.join(SUPPORTED_MODEL_TYPES)} "
+            f"(LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM); got model_type={model_type!r}"
+        )
+    layer_types = getattr(model_config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        raise ValueError(
+            f"moba_hf needs every layer to be full attention before it sparsifies it; this {model_type} "
+            f"config has layer_types {sorted(set(layer_types))} (e.g. use_sliding_window=True is not supported)"
+        )
+
+
+@functools.lru_cache(maxsize=64)
+def _parse(serialized: str) -> MobaConfig:
+    return MobaConfig.from_dict(json.loads(serialized))
+
+
+def moba_config_of(model_config: Any) -> MobaConfig:
+    """The MobaConfig stored in a model's config (defaults, logged once, if there is none)."""
+    raw = getattr(model_config, "moba_config", None)
+    if raw is None:
+        if id(model_config) not in _warned_default:
+            _warned_default.add(id(model_config))
+            logger.warning("moba_hf: the model config has no moba_config; using MobaConfig() defaults %s", MobaConfig())
+        return MobaConfig()
+    if isinstance(raw, MobaConfig):
+        return raw
+    return _parse(json.dumps(raw, sort_keys=True))
+
+
+def moba_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    model_config = module.config
+    check_supported(model_config)
+    config = moba_config_of(model_config)
+    if dropout:
+        raise ValueError(f"moba attention does not implement attention dropout; got dropout={dropout} (use 0.0)")
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(
+            "moba attention takes a 2-D padding mask (from attention_mask); got a prepared "
+            f"{attention_mask.dim()}-D mask of shape {tuple(attention_mask.shape)}"
+        )
+
+    nq, nk = query.shape[2], key.shape[2]
+    layer = getattr(module, "layer_idx", None)
+    dense = layer is not None and layer in config.full_layer_set(model_config.num_hidden_layers)
+    dense = dense or (nq == 1 and config.decode == "full")
+
+    spans = sequence_spans(attention_mask, kwargs.get("position_ids"), query.shape[0], nq, nk)
+    if spans is None:
+        out = _attend(query, key, value, config, scaling, dense, layer)
+    else:
+        out = query.new_zeros(query.shape)  # pad queries get zeros
+        first_query = nk - nq
+        for row, keys in spans:
+            queries = keys[keys >= first_query]
+            if queries.numel() == 0:
+                continue
+            q = query[row : row + 1, :, queries - first_query]
+            k = key[row : row + 1, :, keys]
+            v = value[row : row + 1, :, keys]
+            out[row, :, queries - first_query] = _attend(q, k, v, config, scaling, dense, layer)[0]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    config: MobaConfig,
+    scale: float | None,
+    dense: bool,
+    layer: int | None,
+) -> torch.Tensor:
+    if dense:
+        if sparsity.tracking():
+            pairs = q.shape[0] * sparsity.causal_pairs(q.shape[1], q.shape[2], k.shape[2])
+            sparsity.record(layer, pairs, pairs, "sdpa")
+        return causal_attention(q, k, v, scale=scale)
+    gate = dict(pooling=config.pooling, sink_blocks=config.sink_blocks, local_blocks=config.local_blocks)
+    if sparsity.tracking():
+        selected = selected_blocks(q, k, block_size=config.block_size, top_k=config.top_k, **gate)
+        sparsity.record(
+            layer,
+            sparsity.attended_pairs(selected, k.shape[2], config.block_size),
+            q.shape[0] * sparsity.causal_pairs(q.shape[1], q.shape[2], k.shape[2]),
+            resolve_backend(config.backend, q),
+        )
+    return moba_attention(
+        q, k, v, block_size=config.block_size, top_k=config.top_k, scale=scale, backend=config.backend, **gate
+    )

@@ -1,0 +1,72 @@
+"""Switch a loaded model to MoBA and back, and the one-call loader."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..config import MobaConfig
+from .attention import check_supported
+from .register import NAME, register
+
+_PREVIOUS = "_moba_previous"  # attribute on the model: (attn_implementation, moba_config) before apply()
+
+ConfigLike = MobaConfig | Mapping[str, Any] | str | Path | None
+
+
+def as_moba_config(config: ConfigLike) -> MobaConfig:
+    if config is None:
+        return MobaConfig()
+    if isinstance(config, MobaConfig):
+        return config
+    if isinstance(config, (str, Path)):
+        return MobaConfig.from_file(config)
+    return MobaConfig.from_dict(config)
+
+
+def apply(model: Any, config: ConfigLike = None) -> Any:
+    """Switch an already-loaded Llama/Qwen2/Qwen3 model to MoBA attention with `config`; returns the model.
+
+    With config=None the model keeps the moba_config it already carries (or gets the defaults).
+    """
+    check_supported(model.config)
+    if config is None and getattr(model.config, "moba_config", None) is not None:
+        moba = MobaConfig.from_dict(model.config.moba_config)
+    else:
+        moba = as_moba_config(config)
+    moba.full_layer_set(model.config.num_hidden_layers)  # validates explicit layer ids now, not mid-forward
+    register()
+    if not hasattr(model, _PREVIOUS):
+        setattr(model, _PREVIOUS, (model.config._attn_implementation, getattr(model.config, "moba_config", None)))
+    model.config.moba_config = moba.to_dict()
+    model.set_attn_implementation(NAME)
+    return model
+
+
+def revert(model: Any) -> Any:
+    """Restore the attention implementation (and moba_config) the model had before `apply`."""
+    if not hasattr(model, _PREVIOUS):
+        return model
+    implementation, moba_config = getattr(model, _PREVIOUS)
+    delattr(model, _PREVIOUS)
+    if moba_config is None:
+        if hasattr(model.config, "moba_config"):
+            del model.config.moba_config
+    else:
+        model.config.moba_config = moba_config
+    model.set_attn_implementation(implementation or "sdpa")
+    return model
+
+
+def from_pretrained(name_or_path: str | Path, moba: ConfigLike = None, **kwargs: Any) -> Any:
+    """AutoModelForCausalLM.from_pretrained(..., attn_implementation="moba"), with `moba` as the config
+    (None: the checkpoint's own moba_config, or the defaults)."""
+    from transformers import AutoModelForCausalLM
+
+    register()
+    kwargs.setdefault("attn_implementation", NAME)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    if kwargs["attn_implementation"] != NAME:
+        return model
+    return apply(model, moba)

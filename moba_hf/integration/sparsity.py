@@ -1,0 +1,97 @@
+"""`track_sparsity()`: count, per layer, the causal query-key pairs MoBA really skipped.
+
+Recording recomputes the (cheap) block gate, so it costs a little time and only while tracking is on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+
+_active: list[SparsityStats] = []
+
+
+@dataclasses.dataclass
+class LayerCount:
+    attended: int = 0
+    causal: int = 0
+    backend: str = ""
+
+    @property
+    def sparsity(self) -> float:
+        return 1.0 - self.attended / self.causal if self.causal else 0.0
+
+
+@dataclasses.dataclass
+class SparsityStats:
+    """Per-layer counts of attended vs causal query-key pairs (summed over batch, heads and calls)."""
+
+    layers: dict[int, LayerCount] = dataclasses.field(default_factory=dict)
+
+    def record(self, layer: int, attended: int, causal: int, backend: str) -> None:
+        count = self.layers.setdefault(layer, LayerCount())
+        count.attended += attended
+        count.causal += causal
+        count.backend = backend
+
+    def per_layer(self) -> dict[int, float]:
+        """Fraction of causal query-key pairs skipped, per layer (a full-attention layer reports 0)."""
+        return {layer: count.sparsity for layer, count in sorted(self.layers.items())}
+
+    @property
+    def backends(self) -> dict[int, str]:
+        return {layer: count.backend for layer, count in sorted(self.layers.items())}
+
+    @property
+    def overall(self) -> float:
+        """Skipped fraction over all layers together."""
+        causal = sum(c.causal for c in self.layers.values())
+        return 1.0 - sum(c.attended for c in self.layers.values()) / causal if causal else 0.0
+
+    def reset(self) -> None:
+        self.layers.clear()
+
+    def __str__(self) -> str:
+        rows = [f"layer {layer:>3}: sparsity {c.sparsity:.3f} ({c.backend})" for layer, c in sorted(self.layers.items())]
+        return "\n".join(rows + [f"overall: {self.overall:.3f}"])
+
+
+@contextlib.contextmanager
+def track_sparsity() -> Iterator[SparsityStats]:
+    """with moba_hf.track_sparsity() as stats: model(...); print(stats.per_layer())"""
+    stats = SparsityStats()
+    _active.append(stats)
+    try:
+        yield stats
+    finally:
+        _active.remove(stats)
+
+
+def tracking() -> bool:
+    return bool(_active)
+
+
+def record(layer: int, attended: int, causal: int, backend: str) -> None:
+    for stats in _active:
+        stats.record(layer, attended, causal, backend)
+
+
+def causal_pairs(heads: int, q_length: int, kv_length: int) -> int:
+    """Query-key pairs a causal attention of the last q_length queries over kv_length keys computes."""
+    first = kv_length - q_length + 1
+    return heads * (first + kv_length) * q_length // 2
+
+
+def attended_pairs(selected: torch.Tensor, kv_length: int, block_size: int) -> int:
+    """Pairs MoBA attends given the block selection [B, Hq, Nq, n_blocks] (queries are the last Nq keys)."""
+    nq, nb = selected.shape[-2], selected.shape[-1]
+    q_pos = torch.arange(kv_length - nq, kv_length, device=selected.device)
+    block_start = torch.arange(nb, device=selected.device) * block_size
+    block_len = (torch.clamp(kv_length - block_start, max=block_size))
+    # keys of block j visible to the query at p: all of an earlier block, up to p in the own block
+    visible = torch.clamp(q_pos[:, None] - block_start[None, :] + 1, min=0)
+    visible = torch.minimum(visible, block_len[None, :])
+    return int((selected * visible).sum())

