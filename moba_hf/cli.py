@@ -10,6 +10,7 @@ import sys
 # modules that contribute subcommands, each with add_commands(subparsers)
 COMMAND_MODULES = (
     "moba_hf.demo",
+    "moba_hf.train.cli",
 )
 
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 DECODE_MODES = ("moba", "full")
 POOLINGS = ("mean", "max", "mean+max")

@@ -28,6 +28,9 @@ def gguf_path(name: str = "smollm2") -> Path:
     if name not in EMBEDDED:
         raise ValueError(f"unknown embedded model {name!r}; available: {sorted(EMBEDDED)}")
     package, filename, _ = EMBEDDED[name]
+    override = os.environ.get("MOBA_HF_GGUF")  # machines without the package (e.g. a GPU box) point here
+    if override:
+        return Path(override)
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(

@@ -55,7 +55,9 @@ class SparsityStats:
         self.layers.clear()
 
     def __str__(self) -> str:
-        rows = [f"layer {layer:>3}: sparsity {c.sparsity:.3f} ({c.backend})" for layer, c in sorted(self.layers.items())]
+        rows = [
+            f"layer {layer:>3}: sparsity {c.sparsity:.3f} ({c.backend})" for layer, c in sorted(self.layers.items())
+        ]
         return "\n".join(rows + [f"overall: {self.overall:.3f}"])
 
 
@@ -90,7 +92,7 @@ def attended_pairs(selected: torch.Tensor, kv_length: int, block_size: int) -> i
     nq, nb = selected.shape[-2], selected.shape[-1]
     q_pos = torch.arange(kv_length - nq, kv_length, device=selected.device)
     block_start = torch.arange(nb, device=selected.device) * block_size
-    block_len = (torch.clamp(kv_length - block_start, max=block_size))
+    block_len = torch.clamp(kv_length - block_start, max=block_size)
     # keys of block j visible to the query at p: all of an earlier block, up to p in the own block
     visible = torch.clamp(q_pos[:, None] - block_start[None, :] + 1, min=0)
     visible = torch.minimum(visible, block_len[None, :])

@@ -47,9 +47,7 @@ def check_moba_args(
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(
-            f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch (dim 0) and head_dim (dim 3)"
-        )
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch (dim 0) and head_dim (dim 3)")
     hq, hkv = q.shape[1], k.shape[1]
     if hkv == 0 or hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")

@@ -1,0 +1,164 @@
+"""moba_hf inside transformers: registration, tiny Llama / Qwen2 / Qwen3, hybrid layers, generate, save/load."""
+
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, Qwen2Config, Qwen3Config
+
+import moba_hf
+from moba_hf import MobaConfig
+
+TINY = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+ARCHS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+
+
+def tiny_model(arch, **extra):
+    config = ARCHS[arch](**TINY, **extra)
+    if arch == "qwen3":
+        config.head_dim = 8
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float64).eval()
+
+
+@pytest.fixture(params=sorted(ARCHS))
+def arch(request):
+    return request.param
+
+
+def test_registered_with_both_transformers_registries():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    assert "moba" in AttentionInterface._global_mapping
+    assert "moba" in AttentionMaskInterface._global_mapping
+    moba_hf.register()  # idempotent
+    assert AttentionInterface._global_mapping["moba"] is moba_hf.integration.moba_attention_forward
+
+
+def test_full_coverage_equals_sdpa_logits(arch):
+    model = tiny_model(arch)
+    ids = torch.randint(0, 97, (2, 45))
+    want = model(ids).logits
+    moba_hf.apply(model, MobaConfig(block_size=8, top_k=6))
+    assert model.config._attn_implementation == "moba"
+    torch.testing.assert_close(model(ids).logits, want, rtol=1e-9, atol=1e-9)
+
+
+def test_sparse_setting_changes_logits_and_is_tracked(arch):
+    model = tiny_model(arch)
+    ids = torch.randint(0, 97, (1, 40))
+    want = model(ids).logits
+    moba_hf.apply(model, MobaConfig(block_size=4, top_k=2))
+    with moba_hf.track_sparsity() as stats:
+        got = model(ids).logits
+    assert (got - want).abs().max() > 1e-3
+    cfg = MobaConfig(block_size=4, top_k=2)
+    for sparsity in stats.per_layer().values():
+        assert sparsity == pytest.approx(cfg.theoretical_sparsity(40))
+
+
+def test_hybrid_layers_run_dense_and_report_zero_sparsity():
+    model = tiny_model("llama")
+    ids = torch.randint(0, 97, (1, 40))
+    for cfg, dense in [
+        (MobaConfig(block_size=4, top_k=2, full_attn_layers=1), {2}),
+        (MobaConfig(block_size=4, top_k=2, full_attn_layer_ids=[0, 2]), {0, 2}),
+    ]:
+        moba_hf.apply(model, cfg)
+        with moba_hf.track_sparsity() as stats:
+            model(ids)
+        per_layer = stats.per_layer()
+        assert {layer for layer, s in per_layer.items() if s == 0} == dense
+        assert all(per_layer[layer] > 0.3 for layer in set(range(3)) - dense)
+        assert {stats.backends[layer] for layer in dense} == {"sdpa"}
+
+
+def test_hybrid_dense_layers_match_sdpa_layers():
+    # all layers dense through full_attn_layers == every layer -> exactly the sdpa model
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, 97, (2, 33))
+    want = model(ids).logits
+    moba_hf.apply(model, MobaConfig(block_size=4, top_k=1, full_attn_layers=3))
+    torch.testing.assert_close(model(ids).logits, want)
+
+
+def test_generate_with_cache_matches_sdpa_under_full_coverage(arch):
+    model = tiny_model(arch)
+    ids = torch.randint(0, 97, (1, 21))
+    want = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    moba_hf.apply(model, MobaConfig(block_size=4, top_k=100))
+    got = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert torch.equal(got, want)
+    moba_hf.apply(model, MobaConfig(block_size=4, top_k=2))
+    assert model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False).shape == want.shape
+
+
+def test_config_roundtrips_through_save_pretrained(tmp_path, arch):
+    model = tiny_model(arch)
+    cfg = MobaConfig(block_size=8, top_k=2, full_attn_layers=1)
+    moba_hf.apply(model, cfg)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="moba", dtype=torch.float64)
+    assert loaded.config._attn_implementation == "moba"
+    assert MobaConfig.from_dict(loaded.config.moba_config) == cfg
+    ids = torch.randint(0, 97, (1, 30))
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+    again = moba_hf.from_pretrained(tmp_path, dtype=torch.float64)
+    assert MobaConfig.from_dict(again.config.moba_config) == cfg
+    override = moba_hf.from_pretrained(tmp_path, moba={"block_size": 16, "top_k": 1}, dtype=torch.float64)
+    assert MobaConfig.from_dict(override.config.moba_config) == MobaConfig(block_size=16, top_k=1)
+
+
+def test_checkpoint_without_config_uses_defaults_and_says_so(tmp_path, caplog):
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="moba", dtype=torch.float64)
+    with caplog.at_level(logging.WARNING, logger="moba_hf"):
+        loaded(torch.randint(0, 97, (1, 10)))
+        loaded(torch.randint(0, 97, (1, 10)))
+    lines = [r.message for r in caplog.records if "no moba_config" in r.message]
+    assert len(lines) == 1 and "block_size=512" in lines[0]
+
+
+def test_revert_restores_previous_implementation():
+    model = tiny_model("llama")
+    ids = torch.randint(0, 97, (1, 30))
+    want = model(ids).logits
+    moba_hf.apply(model, MobaConfig(block_size=4, top_k=1))
+    moba_hf.apply(model, MobaConfig(block_size=4, top_k=2))  # re-apply keeps the original to revert to
+    moba_hf.revert(model)
+    assert model.config._attn_implementation == "sdpa"
+    assert not hasattr(model.config, "moba_config")
+    torch.testing.assert_close(model(ids).logits, want)
+
+
+def test_unsupported_model_is_refused():
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match="supports model types llama, qwen2, qwen3.*model_type='gpt2'"):
+        moba_hf.apply(gpt2, MobaConfig())
+
+
+def test_sliding_window_qwen2_is_refused():
+    model = tiny_model("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    with pytest.raises(ValueError, match="sliding_attention"):
+        moba_hf.apply(model, MobaConfig())
+
+
+def test_bad_layer_ids_refused_at_apply():
+    with pytest.raises(ValueError, match="full_attn_layer_ids contains 7"):
+        moba_hf.apply(tiny_model("llama"), MobaConfig(full_attn_layer_ids=[7]))
+
+
+def test_static_cache_is_refused():
+    model = tiny_model("llama")
+    moba_hf.apply(model, MobaConfig(block_size=4, top_k=2))
+    with pytest.raises(ValueError, match="StaticCache"):
+        model.generate(torch.randint(0, 97, (1, 8)), max_new_tokens=3, do_sample=False, cache_implementation="static")

@@ -1,0 +1,157 @@
+"""The reference MoBA against an independent brute-force implementation and degenerate oracles."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moba_hf.kernels import causal_attention, moba_attention, moba_attention_reference
+
+
+def brute_force_moba(q, k, v, block_size, top_k, scale=None, pooling="mean", sink_blocks=0, local_blocks=0):
+    """Loops over every (batch, head, query): the contract of issue 2 written as plainly as possible."""
+    q, k, v = q.double(), k.double(), v.double()
+    b_, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    scale = d**-0.5 if scale is None else scale
+    out = torch.zeros_like(q)
+    n_blocks = math.ceil(nk / block_size)
+    for b in range(b_):
+        for h in range(hq):
+            kh, vh = k[b, h // (hq // hkv)], v[b, h // (hq // hkv)]
+            blocks = [kh[j * block_size : min((j + 1) * block_size, nk)] for j in range(n_blocks)]
+            for i in range(nq):
+                p = nk - nq + i
+                c = p // block_size
+
+                def gate(j, qi=q[b, h, i], blocks=blocks):
+                    mean, top = float(qi @ blocks[j].mean(0)), float(qi @ blocks[j].max(0).values)
+                    return {"mean": mean, "max": top, "mean+max": mean + top}[pooling]
+
+                forced = {j for j in range(c) if j < sink_blocks or j >= c - local_blocks}
+                rest = sorted((j for j in range(c) if j not in forced), key=gate, reverse=True)
+                chosen = sorted(forced) + rest[: top_k - 1]
+                keys = list(range(c * block_size, p + 1))
+                for j in chosen:
+                    keys += range(j * block_size, (j + 1) * block_size)
+                keys = sorted(keys)
+                w = torch.softmax((kh[keys] @ q[b, h, i]) * scale, dim=0)
+                out[b, h, i] = w @ vh[keys]
+    return out
+
+
+CASES = [
+    # B, Hq, Hkv, Nq, Nk, D, block, top_k
+    (1, 2, 2, 17, 17, 8, 4, 2),
+    (2, 4, 2, 23, 23, 6, 5, 3),  # GQA, batch > 1, odd length
+    (2, 6, 2, 9, 31, 4, 4, 2),  # Nq < Nk (chunked prefill)
+    (1, 3, 1, 1, 29, 8, 4, 3),  # decode, MQA
+    (2, 4, 4, 19, 19, 8, 3, 1),  # top_k = 1: own block only
+    (1, 4, 2, 21, 21, 8, 4, 9),  # top_k >= blocks
+    (1, 2, 1, 13, 13, 8, 16, 2),  # block_size >= Nk
+    (2, 2, 1, 7, 40, 5, 6, 4),  # partial last block, Nq < Nk
+]
+
+
+def case_id(c):
+    return "B{}-HQ{}-H{}-Nq{}-Nk{}-D{}-blk{}-k{}".format(*c)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+def test_reference_matches_brute_force(case):
+    b, hq, hkv, nq, nk, d, bs, top_k = case
+    q = torch.randn(b, hq, nq, d, dtype=torch.float64)
+    k = torch.randn(b, hkv, nk, d, dtype=torch.float64)
+    v = torch.randn(b, hkv, nk, d, dtype=torch.float64)
+    got = moba_attention_reference(q, k, v, block_size=bs, top_k=top_k)
+    torch.testing.assert_close(got, brute_force_moba(q, k, v, bs, top_k), rtol=1e-10, atol=1e-10)
+
+
+GATE_CASES = [
+    ("max", 0, 0),
+    ("mean+max", 0, 0),
+    ("mean", 1, 0),
+    ("mean", 0, 1),
+    ("max", 2, 1),
+]
+
+
+@pytest.mark.parametrize("pooling,sink,local", GATE_CASES, ids=[f"{p}-sink{s}-local{l}" for p, s, l in GATE_CASES])
+def test_gate_options_match_brute_force(pooling, sink, local):
+    q = torch.randn(2, 4, 37, 6, dtype=torch.float64)
+    k = torch.randn(2, 2, 37, 6, dtype=torch.float64)
+    v = torch.randn(2, 2, 37, 6, dtype=torch.float64)
+    opts = dict(pooling=pooling, sink_blocks=sink, local_blocks=local)
+    got = moba_attention_reference(q, k, v, block_size=4, top_k=3, **opts)
+    torch.testing.assert_close(got, brute_force_moba(q, k, v, 4, 3, **opts), rtol=1e-10, atol=1e-10)
+
+
+def test_custom_scale_and_float32_dtype():
+    q, k, v = (torch.randn(1, 2, 20, 8) for _ in range(3))
+    got = moba_attention_reference(q, k, v, block_size=4, top_k=2, scale=0.3)
+    assert got.dtype == torch.float32
+    want = brute_force_moba(q, k, v, 4, 2, scale=0.3).float()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("nq,nk,bs", [(33, 33, 4), (5, 33, 4), (1, 33, 8), (20, 20, 64)])
+def test_all_blocks_selected_equals_causal_sdpa(nq, nk, bs):
+    q = torch.randn(2, 4, nq, 16, dtype=torch.float64)
+    k = torch.randn(2, 2, nk, 16, dtype=torch.float64)
+    v = torch.randn(2, 2, nk, 16, dtype=torch.float64)
+    got = moba_attention(q, k, v, block_size=bs, top_k=math.ceil(nk / bs), backend="reference")
+    want = causal_attention(q, k, v)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    if nq == nk:
+        k_rep, v_rep = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+        torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=True))
+
+
+def test_top_k_one_is_block_diagonal_causal():
+    q, k, v = (torch.randn(1, 2, 24, 8, dtype=torch.float64) for _ in range(3))
+    got = moba_attention_reference(q, k, v, block_size=8, top_k=1)
+    for j in range(3):
+        s = slice(8 * j, 8 * (j + 1))
+        torch.testing.assert_close(got[:, :, s], causal_attention(q[:, :, s], k[:, :, s], v[:, :, s]))
+
+
+def test_never_attends_future_blocks():
+    # values of later keys are huge: any leak into an earlier query's output shows up
+    q, k = torch.randn(1, 2, 32, 8, dtype=torch.float64), torch.randn(1, 2, 32, 8, dtype=torch.float64)
+    v = torch.zeros(1, 2, 32, 8, dtype=torch.float64)
+    v[:, :, 20:] = 1e6
+    out = moba_attention_reference(q, k, v, block_size=4, top_k=8)
+    assert out[:, :, :20].abs().max() < 1e3
+
+
+def test_gradients_flow_to_q_k_v():
+    q, k, v = (torch.randn(1, 4, 19, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    torch.autograd.gradcheck(
+        lambda q, k, v: moba_attention_reference(q, k, v, block_size=4, top_k=2), (q, k, v), eps=1e-6, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"block_size": 0, "top_k": 2}, "block_size must be an integer >= 1, got 0"),
+        ({"block_size": 4, "top_k": 0}, "top_k must be an integer >= 1, got 0"),
+        ({"block_size": 4.0, "top_k": 2}, "block_size"),
+        ({"block_size": 4, "top_k": 2, "pooling": "min"}, "pooling must be one of"),
+        ({"block_size": 4, "top_k": 2, "sink_blocks": -1}, "sink_blocks must be an integer >= 0"),
+    ],
+)
+def test_bad_arguments_raise_value_error(kwargs, match):
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    with pytest.raises(ValueError, match=match):
+        moba_attention(q, k, v, **kwargs)
+
+
+def test_bad_shapes_raise_value_error():
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        moba_attention(torch.randn(1, 3, 4, 4), torch.randn(1, 2, 4, 4), torch.randn(1, 2, 4, 4), block_size=2, top_k=1)
+    with pytest.raises(ValueError, match="Nq <= Nk"):
+        moba_attention(torch.randn(1, 2, 5, 4), torch.randn(1, 2, 4, 4), torch.randn(1, 2, 4, 4), block_size=2, top_k=1)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        moba_attention(*(torch.randn(1, 2, 4, 4) for _ in range(3)), block_size=2, top_k=1, backend="cuda-magic")
