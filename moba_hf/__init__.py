@@ -4,7 +4,9 @@
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="moba")
 """
 
+from . import dca
 from .config import MobaConfig
+from .dca import DcaConfig
 from .integration import (
     SUPPORTED_MODEL_TYPES,
     apply,
@@ -21,10 +23,12 @@ register()
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
+    "DcaConfig",
     "MobaConfig",
     "__version__",
     "apply",
     "causal_attention",
+    "dca",
     "from_pretrained",
     "moba_attention",
     "register",

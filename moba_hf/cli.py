@@ -11,6 +11,8 @@ import sys
 COMMAND_MODULES = (
     "moba_hf.demo",
     "moba_hf.train.cli",
+    "moba_hf.eval.cli",
+    "moba_hf.dca.cli",
 )
 
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import tomllib
 
+from .dca.config import DcaConfig, check_block_multiple
+
 DECODE_MODES = ("moba", "full")
 POOLINGS = ("mean", "max", "mean+max")
 BACKENDS = ("auto", "reference", "torch", "flex", "triton", "flash")
@@ -45,6 +47,9 @@ class MobaConfig:
                          "mean+max" (sum of both scores).
     sink_blocks:         always attend the first n blocks, on top of the top_k selection.
     local_blocks:        always attend the n blocks before the current one, on top of the top_k selection.
+    sparse:              False: every layer attends densely (e.g. DCA alone, without MoBA).
+    dca:                 Dual Chunk Attention (`moba_hf.DcaConfig`; True = its defaults; False = off). None: on
+                         only if the checkpoint carries Qwen's dual_chunk_attention_config.
     """
 
     block_size: int = 512
@@ -56,6 +61,8 @@ class MobaConfig:
     pooling: str = "mean"
     sink_blocks: int = 0
     local_blocks: int = 0
+    sparse: bool = True
+    dca: DcaConfig | bool | None = None
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1)
@@ -66,6 +73,16 @@ class MobaConfig:
         _check_choice("decode", self.decode, DECODE_MODES)
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("pooling", self.pooling, POOLINGS)
+        if not isinstance(self.sparse, bool):
+            raise ValueError(f"sparse must be true or false, got {self.sparse!r}")
+        if isinstance(self.dca, Mapping):
+            object.__setattr__(self, "dca", DcaConfig.from_dict(self.dca))
+        if self.dca is not None and not isinstance(self.dca, (bool, DcaConfig)):
+            raise ValueError(f"dca must be a DcaConfig, a mapping, true, false or None, got {self.dca!r}")
+        dca = self.dca if isinstance(self.dca, DcaConfig) else None
+        if self.sparse and dca is not None and dca.chunk_size is not None:
+            limit = dca.pretraining_length or dca.chunk_size + self.block_size + 1
+            check_block_multiple(dca.chunk_size, self.block_size, limit)
         if self.full_attn_layer_ids is not None:
             ids = self.full_attn_layer_ids
             if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
@@ -109,6 +126,8 @@ class MobaConfig:
         gate picks other blocks). Full-attention layers are not counted here.
         """
         _check_int("seq_len", seq_len, 1)
+        if not self.sparse:
+            return 0.0
         bs = self.block_size
         causal_pairs = seq_len * (seq_len + 1) // 2
         extra = self.top_k - 1 + self.sink_blocks + self.local_blocks

@@ -5,6 +5,9 @@
 
 The prompt is sized in tokens of the model's tokenizer; `depth` in [0, 1] places the passkey line.
 Scoring: the first integer in the generated continuation must equal N.
+
+    result = passkey_eval(model, tokenizer, ["sdpa", ("moba-64x16", MobaConfig(block_size=64, top_k=16))],
+                          lengths=[2048, 4096], depths=[0, 0.5, 1], trials=5, out_dir="runs/passkey")
 """
 
 from __future__ import annotations
@@ -12,10 +15,15 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
-import time
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from .report import heatmap, summary_table
+from .runner import EvalResult, ResultStore, greedy_decode, model_info, run_grid
+from .settings import SettingLike, resolve_settings
 
 INTRO = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -60,6 +68,17 @@ def random_passkey(rng: random.Random) -> int:
     return rng.randint(10000, 99999)
 
 
+def trial_passkey(seed: int, length: int, depth: float, index: int) -> int:
+    """The passkey of one grid cell: the same for every setting (paired comparison) and every re-run."""
+    return random_passkey(random.Random(f"passkey:{seed}:{length}:{depth}:{index}"))
+
+
+def score(expected: int, output: str) -> tuple[int | None, bool]:
+    """Exact match of the first integer in `output`."""
+    got = first_integer(output)
+    return got, got == expected
+
+
 @dataclasses.dataclass
 class PasskeyTrial:
     length: int
@@ -70,24 +89,100 @@ class PasskeyTrial:
     prompt_tokens: int
     prefill_seconds: float
     output: str
+    sparsity: float | None = None
 
 
-@torch.no_grad()
-def run_trial(model: Any, tokenizer: Any, length: int, depth: float, passkey: int, max_new_tokens: int = 8) -> PasskeyTrial:
+def _encode(tokenizer: Any, text: str, device: Any) -> torch.Tensor:
+    return tokenizer(text, return_tensors="pt").input_ids.to(device)
+
+
+def run_trial(
+    model: Any, tokenizer: Any, length: int, depth: float, passkey: int, max_new_tokens: int = 8
+) -> PasskeyTrial:
     """One passkey trial: greedy decoding; the prefill (first forward) is timed separately."""
-    prompt = build_prompt(tokenizer, length, depth, passkey)
-    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
-    start = time.perf_counter()
-    out = model(input_ids=ids, use_cache=True)
-    prefill = time.perf_counter() - start
-    cache = out.past_key_values if hasattr(out, "past_key_values") else out.cache
-    next_token = out.logits[:, -1:].argmax(-1)
-    generated = [next_token]
-    for _ in range(max_new_tokens - 1):
-        step = model(input_ids=next_token, past_key_values=cache, use_cache=True)
-        cache = step.past_key_values if hasattr(step, "past_key_values") else step.cache
-        next_token = step.logits[:, -1:].argmax(-1)
-        generated.append(next_token)
-    text = tokenizer.decode(torch.cat(generated, dim=-1)[0], skip_special_tokens=True)
-    got = first_integer(text)
-    return PasskeyTrial(length, depth, passkey, got, got == passkey, ids.shape[1], prefill, text)
+    ids = _encode(tokenizer, build_prompt(tokenizer, length, depth, passkey), model.device)
+    decoded = greedy_decode(model, ids, max_new_tokens, eos_token_id=tokenizer.eos_token_id)
+    text = tokenizer.decode(decoded.tokens, skip_special_tokens=True)
+    got, correct = score(passkey, text)
+    return PasskeyTrial(length, depth, passkey, got, correct, ids.shape[1], decoded.prefill_seconds, text,
+                        decoded.sparsity)  # fmt: skip
+
+
+def check_grid(lengths: Sequence[int], depths: Sequence[float], trials: int) -> tuple[list[int], list[float]]:
+    lengths = [int(n) for n in lengths]
+    depths = [float(d) for d in depths]
+    if not lengths or any(n < 16 for n in lengths):
+        raise ValueError(f"lengths must be a non-empty list of token counts >= 16, got {lengths}")
+    if not depths or any(not 0.0 <= d <= 1.0 for d in depths):
+        raise ValueError(f"depths must be a non-empty list of fractions in [0, 1], got {depths}")
+    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
+        raise ValueError(f"trials must be an integer >= 1, got {trials!r}")
+    return sorted(set(lengths)), sorted(set(depths))
+
+
+def passkey_eval(
+    model: Any,
+    tokenizer: Any,
+    settings: Sequence[SettingLike] | None = None,
+    lengths: Sequence[int] = (1024, 2048),
+    depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
+    trials: int = 3,
+    out_dir: str | Path = "moba_eval/passkey",
+    *,
+    seed: int = 0,
+    max_new_tokens: int = 8,
+    model_name: str | None = None,
+    progress: bool = True,
+    track: bool = True,
+) -> EvalResult:
+    """Passkey accuracy, prefill time and measured sparsity for each setting on the lengths x depths grid.
+
+    settings: e.g. ["sdpa", "moba:configs/moba_8k.toml", ("fine", MobaConfig(block_size=64, top_k=16))];
+    (name, None) means dense sdpa. The one `model` is switched between settings with apply / revert.
+    Re-running with the same out_dir skips finished trials.
+    """
+    settings = resolve_settings(settings)
+    lengths, depths = check_grid(lengths, depths, trials)
+    params = {"lengths": lengths, "depths": depths, "trials": trials, "seed": seed, "max_new_tokens": max_new_tokens}
+    store = ResultStore(out_dir, "passkey", params, model_info(model, model_name))
+    prompts: dict[tuple, tuple[torch.Tensor, int]] = {}
+
+    def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
+        key = (cell["length"], cell["depth"], cell["trial"])
+        if key not in prompts:
+            passkey = trial_passkey(seed, *key)
+            prompts[key] = (_encode(tokenizer, build_prompt(tokenizer, key[0], key[1], passkey), model.device), passkey)
+        ids, passkey = prompts[key]
+        decoded = greedy_decode(model, ids, max_new_tokens, track=track, eos_token_id=tokenizer.eos_token_id)
+        text = tokenizer.decode(decoded.tokens, skip_special_tokens=True)
+        got, correct = score(passkey, text)
+        return {
+            "expected": passkey,
+            "got": got,
+            "correct": correct,
+            "output": text,
+            "prompt_tokens": ids.shape[1],
+            "prefill_seconds": decoded.prefill_seconds,
+            "decode_seconds": decoded.decode_seconds,
+            "sparsity": decoded.sparsity,
+            "sparsity_per_layer": decoded.sparsity_per_layer,
+        }
+
+    cells = [{"length": n, "depth": d, "trial": i} for n in lengths for d in depths for i in range(trials)]
+    run_grid(model, settings, cells, run_cell, store, progress=progress, desc="passkey")
+    return finish_grid_eval(store, settings, lengths, depths, "passkey", "passkey retrieval")
+
+
+def finish_grid_eval(
+    store: ResultStore, settings: Sequence[Any], lengths: list[int], depths: list[float], task: str, title: str
+) -> EvalResult:
+    """Summary table, results.json and the depth x length heatmap for a passkey / NIAH run."""
+    names = [s.name for s in settings]
+    records = store.records(settings)
+    summary = summary_table(records, names, lengths, metric="accuracy", failures=store.failures,
+                            title=f"{title}, {store.model['name']}")  # fmt: skip
+    files = [store.write(settings, summary), store.out_dir / "summary.md"]
+    png = heatmap(records, names, lengths, depths, store.out_dir / f"{task}_heatmap.png",
+                  title=f"{title}: {store.model['name']}", failures=store.failures)  # fmt: skip
+    files += [png] if png else []
+    return EvalResult(task, store.out_dir, list(settings), records, dict(store.failures), summary, files)

@@ -15,8 +15,10 @@ from typing import Any
 import torch
 
 from ..config import MobaConfig
+from ..dca import hf as dca_hf
 from ..kernels import causal_attention, moba_attention, resolve_backend, selected_blocks
 from . import sparsity
+from .cache import cached_step
 from .layout import sequence_spans
 
 logger = logging.getLogger("moba_hf")
@@ -84,11 +86,18 @@ def moba_attention_forward(
     nq, nk = query.shape[2], key.shape[2]
     layer = getattr(module, "layer_idx", None)
     dense = layer is not None and layer in config.full_layer_set(model_config.num_hidden_layers)
-    dense = dense or (nq == 1 and config.decode == "full")
+    dense = dense or (nq == 1 and config.decode == "full") or not config.sparse
+    # Dual Chunk Attention (None when off): moves the fresh keys in the cache and the queries to DCA positions
+    query, dca = dca_hf.remap_fresh(module, config, query, key, attention_mask, kwargs.get("position_ids"))
+
+    if not dense and dca is None:  # with a KV cache: keep the block state in step; sparse decode when it applies
+        out = cached_step(module, query, key, value, attention_mask, config, scaling)
+        if out is not None:
+            return out.transpose(1, 2).contiguous(), None
 
     spans = sequence_spans(attention_mask, kwargs.get("position_ids"), query.shape[0], nq, nk)
     if spans is None:
-        out = _attend(query, key, value, config, scaling, dense, layer)
+        out = _attend(query, key, value, config, scaling, dense, layer, dca)
     else:
         out = query.new_zeros(query.shape)  # pad queries get zeros
         first_query = nk - nq
@@ -99,7 +108,7 @@ def moba_attention_forward(
             q = query[row : row + 1, :, queries - first_query]
             k = key[row : row + 1, :, keys]
             v = value[row : row + 1, :, keys]
-            out[row, :, queries - first_query] = _attend(q, k, v, config, scaling, dense, layer)[0]
+            out[row, :, queries - first_query] = _attend(q, k, v, config, scaling, dense, layer, dca)[0]
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -111,7 +120,10 @@ def _attend(
     scale: float | None,
     dense: bool,
     layer: int | None,
+    dca: dca_hf.DcaRun | None = None,
 ) -> torch.Tensor:
+    if dca is not None and dca.applies(k.shape[2]):
+        return dca.attend(q, k, v, config, scale, dense, layer)
     if dense:
         if sparsity.tracking():
             pairs = q.shape[0] * sparsity.causal_pairs(q.shape[1], q.shape[2], k.shape[2])

@@ -7,7 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from ..config import MobaConfig
+from ..dca.config import resolve as resolve_dca
 from .attention import check_supported
+from .cache import remove_hooks
 from .register import NAME, register
 
 _PREVIOUS = "_moba_previous"  # attribute on the model: (attn_implementation, moba_config) before apply()
@@ -36,6 +38,7 @@ def apply(model: Any, config: ConfigLike = None) -> Any:
     else:
         moba = as_moba_config(config)
     moba.full_layer_set(model.config.num_hidden_layers)  # validates explicit layer ids now, not mid-forward
+    resolve_dca(moba.dca, model.config, moba.block_size if moba.sparse else None)  # DCA errors now, too
     register()
     if not hasattr(model, _PREVIOUS):
         setattr(model, _PREVIOUS, (model.config._attn_implementation, getattr(model.config, "moba_config", None)))
@@ -50,6 +53,7 @@ def revert(model: Any) -> Any:
         return model
     implementation, moba_config = getattr(model, _PREVIOUS)
     delattr(model, _PREVIOUS)
+    remove_hooks(model)  # the cache hooks moba attention installed on its first call
     if moba_config is None:
         if hasattr(model.config, "moba_config"):
             del model.config.moba_config

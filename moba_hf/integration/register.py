@@ -14,8 +14,8 @@ NAME = "moba"
 
 def moba_mask(
     batch_size: int,
-    q_length: int,
-    kv_length: int,
+    q_length: int | None = None,
+    kv_length: int = 0,
     q_offset: Any = 0,
     kv_offset: int = 0,
     mask_function: Any = None,
@@ -26,6 +26,9 @@ def moba_mask(
 
     Causality and block sparsity are the kernel's job, so no [Nq, Nk] mask is ever built.
     """
+    cache_position = kwargs.get("cache_position")
+    if q_length is None and cache_position is not None:  # older transformers pass the query positions instead
+        q_length, q_offset = cache_position.shape[0], int(cache_position[0])
     if isinstance(q_offset, torch.Tensor) or q_offset + q_length != kv_offset + kv_length:
         raise ValueError(
             "moba attention needs the queries to be the newest keys (DynamicCache, the default); "

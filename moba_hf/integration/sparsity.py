@@ -25,7 +25,7 @@ class LayerCount:
         return 1.0 - self.attended / self.causal if self.causal else 0.0
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # identity, so nested trackers remove themselves, not an equal sibling
 class SparsityStats:
     """Per-layer counts of attended vs causal query-key pairs (summed over batch, heads and calls)."""
 

@@ -21,11 +21,15 @@ logger = logging.getLogger("moba_hf")
 # name -> "module:function" (lazily imported) ; the reference is always there
 _BACKEND_PATHS: dict[str, str] = {
     "reference": "moba_hf.kernels.reference:moba_attention_reference",
+    "torch": "moba_hf.kernels.torch_impl:moba_attention_torch",
+    "flex": "moba_hf.kernels.flex:moba_attention_flex",
+    "triton": "moba_hf.kernels.triton_impl:moba_attention_triton",
+    "flash": "moba_hf.kernels.flash:moba_attention_flash",
 }
 # "auto" tries these in order for each device type; the first importable/applicable one wins
 _AUTO_ORDER: dict[str, tuple[str, ...]] = {
-    "cuda": ("reference",),
-    "cpu": ("reference",),
+    "cuda": ("triton", "flash", "torch", "flex", "reference"),
+    "cpu": ("torch", "reference"),
 }
 _loaded: dict[str, Callable] = {"reference": moba_attention_reference}
 _unavailable: dict[str, str] = {}

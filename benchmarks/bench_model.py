@@ -1,0 +1,109 @@
+"""Whole-model prefill: SmolLM2-135M with MoBA vs the same model with "sdpa", same run.
+
+    python benchmarks/bench_model.py                     # 16K tokens, block 512, top 3, backend torch
+    python benchmarks/bench_model.py --tokens 4096 --repeats 2
+
+First checks that MoBA with every block selected gives the "sdpa" logits (a short prompt), then times one
+prefill forward (`use_cache=False`, only the last position's logits) per setting and repeat, after a short
+warm-up. Ratio = SDPA time / MoBA time. A CSV row per setting carries torch version, threads and settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moba_hf import MobaConfig  # noqa: E402
+from moba_hf.integration import apply, revert  # noqa: E402
+from moba_hf.models import load  # noqa: E402
+
+
+def prefill(model, ids: torch.Tensor) -> float:
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model(ids, use_cache=False, logits_to_keep=1)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--block-size", type=int, default=512)
+    p.add_argument("--top-k", type=int, default=3)
+    p.add_argument("--backend", default="torch")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--csv", default="benchmarks/results_model.csv")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    model, _ = load("smollm2")
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    check_ids = torch.randint(0, vocab, (1, 2 * args.block_size), generator=gen)
+    ids = torch.randint(0, vocab, (1, args.tokens), generator=gen)
+    moba = MobaConfig(block_size=args.block_size, top_k=args.top_k, backend=args.backend)
+    covering = MobaConfig(block_size=args.block_size, top_k=args.top_k + 2, backend=args.backend)
+
+    with torch.inference_mode():
+        dense_logits = model(check_ids, use_cache=False).logits
+        apply(model, covering)
+        moba_logits = model(check_ids, use_cache=False).logits
+        revert(model)
+    err = (dense_logits - moba_logits).abs().max().item()
+    print(f"verify: MoBA with all blocks selected vs sdpa, max |logit diff| = {err:.2e}")
+    if err > 1e-3:
+        raise SystemExit("MoBA does not reproduce dense attention; not timing")
+
+    times: dict[str, list[float]] = {"sdpa": [], "moba": []}
+    prefill(model, ids[:, : 2 * args.block_size])  # warm-up
+    for _ in range(args.repeats):
+        times["sdpa"].append(prefill(model, ids))
+        print(f"sdpa prefill {args.tokens} tokens: {times['sdpa'][-1]:.1f} s", flush=True)
+    apply(model, moba)
+    prefill(model, ids[:, : 2 * args.block_size])
+    for _ in range(args.repeats):
+        times["moba"].append(prefill(model, ids))
+        print(f"moba prefill {args.tokens} tokens: {times['moba'][-1]:.1f} s", flush=True)
+    revert(model)
+
+    row = {
+        "torch": torch.__version__,
+        "device": f"{platform.machine()} cpu x{torch.get_num_threads()} threads",
+        "model": "SmolLM2-135M-Instruct float32",
+        "tokens": args.tokens,
+        "block_size": args.block_size,
+        "top_k": args.top_k,
+        "backend": args.backend,
+        "repeats": args.repeats,
+        "sdpa_min_s": round(min(times["sdpa"]), 2),
+        "sdpa_median_s": round(statistics.median(times["sdpa"]), 2),
+        "moba_min_s": round(min(times["moba"]), 2),
+        "moba_median_s": round(statistics.median(times["moba"]), 2),
+        "ratio_min": round(min(times["sdpa"]) / min(times["moba"]), 2),
+    }
+    path = Path(args.csv)
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(row))
+        if new:
+            writer.writeheader()
+        writer.writerow(row)
+    print(row)
+    print(
+        f"prefill {args.tokens} tokens: sdpa {row['sdpa_min_s']:.1f} s, moba {row['moba_min_s']:.1f} s, "
+        f"ratio {row['ratio_min']:.2f}x  (CSV: {path})"
+    )
+
+
+if __name__ == "__main__":
+    main()

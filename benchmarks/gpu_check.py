@@ -1,0 +1,207 @@
+"""One-shot GPU check of the MoBA backends: verify each against the reference, then time against SDPA.
+
+    python benchmarks/gpu_check.py --out results/      # default --out: $OUT if set, else ./gpu_check_out
+
+1. Verify (small case, bf16): forward and q/k/v gradients of every GPU backend vs an fp32 reference, with
+   flash-attention's rule: error <= 2x the error of the same attention computed naively in bf16 (+1e-4).
+2. Time (bf16, B=1, Hq=32, Hkv=8, D=128) forward: N=128K (block 512, top 3) and N=1M (block 4096, top 12) vs
+   `scaled_dot_product_attention(is_causal=True)`, CUDA events, min/median over repeats.
+Every case runs in its own try/except and the script stops starting new cases after --budget seconds, so a
+failure or a slow backend costs only its own row. Writes gpu_check.csv and gpu_check.md into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moba_hf.kernels import backend_available, moba_attention, moba_attention_reference, selected_blocks  # noqa: E402
+
+GPU_BACKENDS = ("torch", "flex", "triton", "flash")
+CASES = [  # (N, block_size, top_k)
+    (131072, 512, 3),
+    (1048576, 4096, 12),
+]
+
+
+def sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def cuda_time(fn, repeats: int, warmup: int) -> list[float]:
+    times = []
+    for i in range(warmup + repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        with torch.no_grad():
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end) / 1e3)
+    return times
+
+
+def naive_same_dtype(q, k, v, *, block_size: int, top_k: int):
+    """MoBA computed naively in the inputs' dtype (scores, softmax, product): flash-attention's error baseline."""
+    nq, nk = q.shape[2], k.shape[2]
+    sel = selected_blocks(q, k, block_size=block_size, top_k=top_k)
+    key_pos = torch.arange(nk, device=q.device)
+    allowed = sel[..., key_pos // block_size] & (
+        key_pos[None, :] <= torch.arange(nk - nq, nk, device=q.device)[:, None]
+    )
+    g = q.shape[1] // k.shape[1]
+    scores = q @ k.repeat_interleave(g, dim=1).transpose(-1, -2) * q.shape[-1] ** -0.5
+    return scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1) @ v.repeat_interleave(g, dim=1)
+
+
+def verify(backend: str) -> dict:
+    torch.manual_seed(0)
+    kw = {"block_size": 128, "top_k": 3}
+    q32 = torch.randn(2, 8, 1000, 64, device="cuda")
+    k32 = torch.randn(2, 2, 1000, 64, device="cuda")
+    v32 = torch.randn(2, 2, 1000, 64, device="cuda")
+    grad32 = torch.randn_like(q32)
+
+    def run(fn, dtype):
+        q, k, v = (t.to(dtype).requires_grad_() for t in (q32, k32, v32))
+        out = fn(q, k, v, **kw)
+        return [out.float(), *(g.float() for g in torch.autograd.grad(out, (q, k, v), grad32.to(dtype)))]
+
+    # the selection is discrete: compare on the blocks the bf16 inputs select, computed exactly in fp32
+    exact = run(lambda q, k, v, **a: moba_attention_reference(q.float(), k.float(), v.float(), **a), torch.bfloat16)
+    baseline = run(naive_same_dtype, torch.bfloat16)
+    mine = run(lambda q, k, v, **a: moba_attention(q, k, v, backend=backend, **a), torch.bfloat16)
+    res = {}
+    ok = True
+    for name, e, b, m in zip(("out", "dq", "dk", "dv"), exact, baseline, mine, strict=True):
+        err, base = (m - e).abs().max().item(), (b - e).abs().max().item()
+        res[name] = f"{err:.1e} (torch {base:.1e})"
+        ok &= err <= 2 * base + 1e-4
+    res["ok"] = ok
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
+    p.add_argument("--backends", nargs="+", default=list(GPU_BACKENDS))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--budget", type=float, default=150.0, help="no new case starts after this many seconds")
+    args = p.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    lines = [f"# GPU check ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", ""]
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to check")
+        (out_dir / "gpu_check.md").write_text("\n".join([*lines, "no CUDA device"]) + "\n")
+        return
+    dev = torch.cuda.get_device_name()
+    lines += [f"device {dev}, torch {torch.__version__}", ""]
+    print(lines[2])
+
+    backends = []
+    lines += ["## Verification (bf16 vs fp32 reference; rule: error <= 2x PyTorch's bf16 error)", ""]
+    lines += ["| backend | out | dq | dk | dv | ok |", "|---|---|---|---|---|---|"]
+    for name in args.backends:
+        if not backend_available(name):
+            print(f"{name}: unavailable, skipped")
+            lines.append(f"| {name} | unavailable | | | | |")
+            continue
+        try:
+            res = verify(name)
+        except Exception as err:  # noqa: BLE001 - report and go on
+            traceback.print_exc()
+            lines.append(f"| {name} | FAILED: {type(err).__name__}: {str(err)[:120]} | | | | |")
+            continue
+        print(f"verify {name}: {res}")
+        lines.append(f"| {name} | {res['out']} | {res['dq']} | {res['dk']} | {res['dv']} | {res['ok']} |")
+        if res["ok"]:
+            backends.append(name)
+
+    rows = []
+    lines += ["", "## Forward time, bf16, B=1 Hq=32 Hkv=8 D=128 (ratio = SDPA / MoBA)", ""]
+    lines += [
+        "| N | block | top_k | backend | SDPA min/med s | MoBA min/med s | ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for n, bs, top_k in CASES:
+        if time.time() - t0 > args.budget:
+            lines.append(f"| {n} | {bs} | {top_k} | (skipped: over the time budget) | | | |")
+            continue
+        torch.cuda.empty_cache()
+        try:
+            q = torch.randn(1, 32, n, 128, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16)
+            repeats = args.repeats if n <= 131072 else 1
+            base = cuda_time(lambda q=q, k=k, v=v: sdpa(q, k, v), repeats, 1 if n <= 131072 else 0)
+        except Exception as err:  # noqa: BLE001
+            traceback.print_exc()
+            lines.append(f"| {n} | {bs} | {top_k} | SDPA FAILED: {type(err).__name__}: {str(err)[:100]} | | | |")
+            continue
+        for name in backends:
+            if time.time() - t0 > args.budget:
+                lines.append(f"| {n} | {bs} | {top_k} | {name} (skipped: over the time budget) | | | |")
+                continue
+            try:
+                # flex compiles on its first call: always warm it up; at 1M skip the others' warm-up to save time
+                warmup = 1 if n <= 131072 or name == "flex" else 0
+                times = cuda_time(
+                    lambda q=q, k=k, v=v, bs=bs, top_k=top_k, name=name: moba_attention(
+                        q, k, v, block_size=bs, top_k=top_k, backend=name
+                    ),
+                    repeats,
+                    warmup,
+                )
+            except Exception as err:  # noqa: BLE001
+                traceback.print_exc()
+                torch.cuda.empty_cache()
+                lines.append(f"| {n} | {bs} | {top_k} | {name} FAILED: {type(err).__name__}: {str(err)[:100]} | | | |")
+                continue
+            row = {
+                "torch": torch.__version__,
+                "device": dev,
+                "dtype": "bfloat16",
+                "shape": f"B1 Hq32 Hkv8 N{n} D128",
+                "backend": name,
+                "block_size": bs,
+                "top_k": top_k,
+                "repeats": repeats,
+                "sdpa_min_s": round(min(base), 4),
+                "sdpa_median_s": round(statistics.median(base), 4),
+                "moba_min_s": round(min(times), 4),
+                "moba_median_s": round(statistics.median(times), 4),
+                "ratio_min": round(min(base) / min(times), 2),
+            }
+            rows.append(row)
+            print(row, flush=True)
+            lines.append(
+                f"| {n} | {bs} | {top_k} | {name} | {row['sdpa_min_s']}/{row['sdpa_median_s']} "
+                f"| {row['moba_min_s']}/{row['moba_median_s']} | {row['ratio_min']} |"
+            )
+        q = k = v = None  # free before the next case
+    lines += ["", f"total {time.time() - t0:.0f} s"]
+    (out_dir / "gpu_check.md").write_text("\n".join(lines) + "\n")
+    if rows:
+        with (out_dir / "gpu_check.csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""Dual Chunk Attention, dense and composed with MoBA. Pure PyTorch, no transformers import.
+
+Inputs are already remapped: keys rotated at ``j mod s`` (as they sit in the KV cache) and queries at
+their intra-chunk position ``i mod s``. The successive / inter query variants are rotations of that query
+(`rope.rotate`). For a query tile inside chunk m the keys split into three contiguous parts::
+
+    keys    [0, (m-1)s)        [(m-1)s, ms)          [ms, i]
+    query   inter: c-1         successive            intra: i mod s (causal)
+
+Each part gives (output, row max, row sum) in float32 (float64 stays float64); the parts merge through
+their log-sum-exp. With MoBA, a block's gate score uses the query variant of the block's part, and only
+selected blocks enter each part.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.common import causal_attention, check_moba_args, gate_dtype, gate_scores, num_blocks
+from .positions import INTER, query_positions, region
+from .rope import rotate
+
+# elements of one score tile [B, Hq, T, Nk]: bounds the memory of a prefill (2**27 float32 = 512 MiB)
+TILE_ELEMENTS = 1 << 27
+
+
+def _check_dca(nk: int, pretraining_length: int, chunk_size: int, inv_freq: torch.Tensor, head_dim: int) -> None:
+    if isinstance(pretraining_length, bool) or not isinstance(pretraining_length, int) or pretraining_length < 2:
+        raise ValueError(f"pretraining_length must be an integer >= 2, got {pretraining_length!r}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or not 0 < chunk_size < pretraining_length:
+        raise ValueError(
+            f"chunk_size must be an integer with 0 < chunk_size < pretraining_length (1..{pretraining_length - 1}), "
+            f"got {chunk_size!r}"
+        )
+    if inv_freq.dim() != 1 or 2 * inv_freq.shape[0] != head_dim:
+        raise ValueError(f"inv_freq must have shape [head_dim / 2] = [{head_dim // 2}], got {tuple(inv_freq.shape)}")
+
+
+def query_variants(
+    q: torch.Tensor, nk: int, pretraining_length: int, chunk_size: int, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """[intra, successive, inter] versions of q (rotated at i mod s), in `dtype`; only those some key needs."""
+    nq = q.shape[2]
+    q_index = torch.arange(nk - nq, nk, device=q.device)
+    positions = query_positions(q_index, pretraining_length, chunk_size)  # [Nq, 3]
+    variants = [q.to(dtype)]
+    for which in (1, 2):
+        if nk > which * chunk_size:  # some key lies `which` chunks before the last query
+            variants.append(rotate(q, positions[:, which] - positions[:, 0], inv_freq, dtype))
+    return variants
+
+
+def dca_selected_blocks(
+    variants: list[torch.Tensor],
+    k: torch.Tensor,
+    *,
+    chunk_size: int,
+    block_size: int,
+    top_k: int,
+    pooling: str = "mean",
+    sink_blocks: int = 0,
+    local_blocks: int = 0,
+) -> torch.Tensor:
+    """MoBA selection under DCA: bool [B, Hq, Nq, n_blocks].
+
+    Same rule as `kernels.selected_blocks` (own block, forced sink / local blocks, then the top_k - 1
+    best earlier blocks), but block b's gate score is q_variant . pool(K_b) with the variant of b's region.
+    """
+    nq, nk = variants[0].shape[2], k.shape[2]
+    nb = num_blocks(nk, block_size)
+    device = k.device
+    with torch.no_grad():
+        q_index = torch.arange(nk - nq, nk, device=device)
+        blk = torch.arange(nb, device=device)
+        current = q_index // block_size
+        earlier = blk[None, :] < current[:, None]  # [Nq, nb]
+        forced = blk[None, :] == current[:, None]
+        if sink_blocks:
+            forced = forced | (earlier & (blk[None, :] < sink_blocks))
+        if local_blocks:
+            forced = forced | (earlier & (blk[None, :] >= current[:, None] - local_blocks))
+        selected = forced.expand(variants[0].shape[0], variants[0].shape[1], nq, nb)
+        n_pick = min(top_k - 1, nb)
+        if n_pick <= 0:
+            return selected
+        which = region(q_index[:, None], blk[None, :] * block_size, chunk_size)  # [Nq, nb]
+        which = which.clamp(max=len(variants) - 1)  # regions without a variant hold no earlier block
+        scores = torch.stack([gate_scores(qv, k, block_size, pooling) for qv in variants])  # [V, B, Hq, Nq, nb]
+        scores = scores.gather(0, which.expand_as(scores[:1]))[0]
+        candidates = earlier & ~forced
+        scores = scores.masked_fill(~candidates, float("-inf"))
+        top = scores.topk(n_pick, dim=-1)
+        picked = torch.zeros_like(scores, dtype=torch.bool)
+        picked.scatter_(-1, top.indices, top.values > float("-inf"))
+        return selected | picked
+
+
+def _part(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, allowed: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unnormalized softmax attention of one key part.
+
+    q: [B, Hkv, G*T, D]; k, v: [B, Hkv, L, D]; allowed: bool broadcastable to [B, Hkv, G*T, L] or None.
+    Returns (sum_j e_j v_j [B, Hkv, G*T, D], row max [.., 1], row sum [.., 1]) with e_j = exp(score_j - max).
+    """
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True).detach()
+    # a row with no key in this part keeps max -inf, so the merge weighs it 0; exp needs a finite shift
+    weights = torch.exp(scores - row_max.masked_fill(row_max == float("-inf"), 0.0))
+    return weights @ v, row_max, weights.sum(dim=-1, keepdim=True)
+
+
+def _merge(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Combine parts through their log-sum-exp: out = sum_p e^(m_p - M) o_p / sum_p e^(m_p - M) l_p.
+
+    The intra part always holds the query's own key, so M is finite.
+    """
+    top = torch.stack([m for _, m, _ in parts]).amax(dim=0)
+    numerator = sum(o * torch.exp(m - top) for o, m, _ in parts)
+    denominator = sum(l * torch.exp(m - top) for _, m, l in parts)
+    return numerator / denominator
+
+
+def dca_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    pretraining_length: int,
+    chunk_size: int,
+    inv_freq: torch.Tensor,
+    scale: float | None = None,
+    temperature: float = 1.0,
+    block_size: int | None = None,
+    top_k: int = 3,
+    pooling: str = "mean",
+    sink_blocks: int = 0,
+    local_blocks: int = 0,
+) -> torch.Tensor:
+    """Dual Chunk Attention; with `block_size`, composed with MoBA.
+
+    q: [B, Hq, Nq, D] rotated at (i mod chunk_size); k, v: [B, Hkv, Nk, D], k rotated at (j mod chunk_size);
+    the queries are the last Nq of the Nk positions. inv_freq: [D / 2], the model's RoPE inverse frequencies.
+    temperature multiplies the logits (1.0 = off). block_size None: dense causal DCA; otherwise MoBA
+    (top_k, pooling, sink_blocks, local_blocks as in `moba_attention`) with block_size dividing chunk_size.
+    Returns [B, Hq, Nq, D] in q's dtype.
+    """
+    if block_size is None:
+        check_moba_args(q, k, v, block_size=1, top_k=1)
+    else:
+        check_moba_args(
+            q, k, v, block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks,
+            local_blocks=local_blocks,
+        )  # fmt: skip
+        if chunk_size % block_size:
+            raise ValueError(f"chunk_size ({chunk_size}) must be a multiple of block_size ({block_size})")
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    _check_dca(nk, pretraining_length, chunk_size, inv_freq, d)
+    s, g = chunk_size, hq // hkv
+    scale = (d**-0.5 if scale is None else scale) * temperature
+    dtype = gate_dtype(q.dtype)
+
+    variants = query_variants(q, nk, pretraining_length, s, inv_freq, dtype)
+    selected = None
+    if block_size is not None:
+        selected = dca_selected_blocks(
+            variants, k, chunk_size=s, block_size=block_size, top_k=top_k, pooling=pooling,
+            sink_blocks=sink_blocks, local_blocks=local_blocks,
+        )  # fmt: skip
+    if block_size is None:
+        return _dense_dca(variants, k, v, s, scale).to(q.dtype)
+    kf, vf = k.to(dtype), v.to(dtype)
+    key_block = None if block_size is None else torch.arange(nk, device=k.device) // block_size
+    tile = max(1, min(nq, TILE_ELEMENTS // max(1, b * hq * nk)))
+
+    outputs = []
+    first = nk - nq  # position of query 0
+    t0 = 0
+    while t0 < nq:
+        chunk = (first + t0) // s
+        t1 = min(nq, t0 + tile, (chunk + 1) * s - first)  # a tile never crosses a chunk boundary
+        q_pos = torch.arange(first + t0, first + t1, device=q.device)
+        bounds = [(chunk * s, first + t1), ((chunk - 1) * s, chunk * s), (0, (chunk - 1) * s)]
+        parts = []
+        for which, (lo, hi) in enumerate(bounds[: min(chunk, INTER) + 1]):
+            qv = variants[which][:, :, t0:t1].reshape(b, hkv, g * (t1 - t0), d)
+            allowed = None
+            if which == 0:
+                allowed = torch.arange(lo, hi, device=q.device)[None, :] <= q_pos[:, None]  # causal [T, L]
+            if selected is not None:
+                in_block = selected[:, :, t0:t1][..., key_block[lo:hi]]  # [B, Hq, T, L]
+                allowed = in_block if allowed is None else in_block & allowed
+                allowed = allowed.reshape(b, hkv, g * (t1 - t0), hi - lo)
+            elif allowed is not None:
+                allowed = allowed.repeat(g, 1)  # rows are (group member, query)
+            parts.append(_part(qv, kf[:, :, lo:hi], vf[:, :, lo:hi], scale, allowed))
+        outputs.append(_merge(parts).reshape(b, hq, t1 - t0, d))
+        t0 = t1
+    return torch.cat(outputs, dim=2).to(q.dtype)
+
+
+def _dense_dca(variants: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor, s: int, scale: float) -> torch.Tensor:
+    """Dense DCA as one SDPA call per query chunk, so the fused kernel does the softmax and the merge.
+
+    The three parts differ only in the query variant, so stack them along head_dim and put each key into the
+    slot of its part: q' = [q_intra, q_succ, q_inter], k' = [k, 0, 0] (own chunk), [0, k, 0] (previous chunk),
+    [0, 0, k] (older); then q' . k' is the DCA score of every pair, and causal attention of the chunk's
+    queries (the newest keys) over k' is DCA exactly. Costs about 3x the products of dense attention.
+    """
+    q = variants[0]
+    dtype, nq, nk = q.dtype, q.shape[2], k.shape[2]
+    zeros = torch.zeros_like(q)
+    q_aug = torch.cat([*variants, *[zeros] * (3 - len(variants))], dim=-1)
+    first = nk - nq
+    outputs = []
+    t0 = 0
+    while t0 < nq:
+        chunk = (first + t0) // s
+        t1 = min(nq, (chunk + 1) * s - first)
+        hi = first + t1
+        kc = k[:, :, :hi].to(dtype)
+        k_aug = kc.new_zeros(*kc.shape[:3], 3 * kc.shape[-1])
+        d = kc.shape[-1]
+        bounds = [(chunk * s, hi), (max(0, (chunk - 1) * s), chunk * s), (0, max(0, (chunk - 1) * s))]
+        for which, (lo, up) in enumerate(bounds):
+            k_aug[:, :, lo:up, which * d : (which + 1) * d] = kc[:, :, lo:up]
+        # v padded to q's width too: PyTorch's fused CPU kernel needs equal head dims (else a slow fallback)
+        v_aug = torch.nn.functional.pad(v[:, :, :hi].to(dtype), (0, 2 * d))
+        outputs.append(causal_attention(q_aug[:, :, t0:t1], k_aug, v_aug, scale=scale)[..., :d])
+        t0 = t1
+    return torch.cat(outputs, dim=2)

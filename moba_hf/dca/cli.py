@@ -1,0 +1,35 @@
+"""`moba-hf dca-matrix`: print the remapped query-key distances so a DCA setting can be checked by hand."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import default_chunk_size
+from .positions import format_matrix, relative_positions
+
+
+def add_commands(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "dca-matrix",
+        help="print the DCA relative-position matrix",
+        description="Rows are queries i, columns keys j <= i (key chunks separated by '|'); each entry is the "
+        "distance RoPE sees. Example: moba-hf dca-matrix --seq-len 13 --pretraining-length 8 --chunk-size 6",
+    )
+    p.add_argument("--seq-len", type=int, default=16, help="sequence length N (default 16)")
+    p.add_argument("--pretraining-length", type=int, default=8, help="c, the trained context (default 8)")
+    p.add_argument("--chunk-size", type=int, default=None, help="s < c (default c - c // 8)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    c = args.pretraining_length
+    s = default_chunk_size(c) if args.chunk_size is None else args.chunk_size
+    try:
+        matrix = relative_positions(args.seq_len, c, s)
+    except ValueError as err:
+        print(f"moba-hf dca-matrix: {err}", file=sys.stderr)
+        return 2
+    print(f"DCA distances: seq_len={args.seq_len}, pretraining_length c={c}, chunk_size s={s}, local window {c - s}")
+    print(format_matrix(matrix, s))
+    return 0

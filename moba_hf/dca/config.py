@@ -1,0 +1,205 @@
+"""`DcaConfig`: Dual Chunk Attention settings, and their resolution against a model's config.
+
+Paper convention (An et al., ICML 2024): pretraining length ``c``, chunk size ``s < c``, local window
+``w = c - s``. Keys sit at ``j mod s``; a query at ``i`` sits at ``i mod s`` for keys of its own chunk,
+``min(s + i mod s, c - 1)`` for the previous chunk and ``c - 1`` for older chunks, so no distance exceeds
+``c - 1``.
+
+Default chunk size: ``s = c - c // 8`` (local window w = c/8; 7168 for c = 8192). Established practice
+keeps the window a small fraction of c: ChunkLlama uses c/16 (and caps distances at 3c/4), Qwen2.5-1M c/32.
+We take c/8: the window decides how many tokens after a chunk start still see exact distances into the
+previous chunk, and a wider one smooths the boundary for slightly more (shorter) chunks. s = 7c/8 is also
+a multiple of every power-of-two MoBA block size up to c/8, so DCA + MoBA needs no rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+# rope types whose frequencies do not depend on the sequence length (DCA keeps them as they are)
+FIXED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def _check_optional_int(name: str, value: Any, low: int) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low} (or None for the default), got {value!r}")
+
+
+def _check_chunk(pretraining_length: int, chunk_size: int) -> None:
+    if not 0 < chunk_size < pretraining_length:
+        raise ValueError(
+            f"DCA chunk_size must satisfy 0 < chunk_size < pretraining_length (valid range 1..{pretraining_length - 1} "
+            f"for pretraining_length={pretraining_length}), got chunk_size={chunk_size}"
+        )
+
+
+def default_chunk_size(pretraining_length: int) -> int:
+    return pretraining_length - max(1, pretraining_length // 8)
+
+
+def nearest_multiples(value: int, step: int, upper: int) -> list[int]:
+    """Multiples of `step` nearest to `value` (one below, one above) inside (0, upper)."""
+    below = (value // step) * step
+    return [m for m in (below, below + step) if 0 < m < upper]
+
+
+@dataclasses.dataclass(frozen=True)
+class DcaConfig:
+    """Dual Chunk Attention.
+
+    pretraining_length: c, the longest distance the model was trained on. None: the model config's
+                        original_max_position_embeddings, else max_position_embeddings.
+    chunk_size:         s (< c). None: c - c // 8, or c - local_window when that is given; with sparse MoBA
+                        the default is rounded down to a multiple of block_size.
+    local_window:       w = c - s, an alternative to chunk_size (ChunkLlama / Qwen think in windows).
+    temperature:        scale the logits by max(1, 0.1 ln(L / c) + 1) for L keys (Qwen / vLLM); off by default.
+    """
+
+    pretraining_length: int | None = None
+    chunk_size: int | None = None
+    local_window: int | None = None
+    temperature: bool = False
+
+    def __post_init__(self) -> None:
+        _check_optional_int("pretraining_length", self.pretraining_length, 2)
+        _check_optional_int("chunk_size", self.chunk_size, 1)
+        _check_optional_int("local_window", self.local_window, 1)
+        if not isinstance(self.temperature, bool):
+            raise ValueError(f"temperature must be true or false, got {self.temperature!r}")
+        if self.chunk_size is not None and self.local_window is not None:
+            raise ValueError(
+                f"give either chunk_size or local_window (= pretraining_length - chunk_size), not both: "
+                f"got chunk_size={self.chunk_size}, local_window={self.local_window}"
+            )
+        if self.pretraining_length is not None:
+            c = self.pretraining_length
+            if self.chunk_size is not None:
+                _check_chunk(c, self.chunk_size)
+            if self.local_window is not None and not 0 < self.local_window < c:
+                raise ValueError(
+                    f"DCA local_window must satisfy 0 < local_window < pretraining_length (valid range 1..{c - 1}), "
+                    f"got local_window={self.local_window}"
+                )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | DcaConfig) -> DcaConfig:
+        if isinstance(data, DcaConfig):
+            return data
+        if not isinstance(data, Mapping):
+            raise ValueError(f"a DCA config must be a mapping, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown DCA config keys {unknown}; valid keys: {sorted(known)}")
+        return cls(**dict(data))
+
+
+@dataclasses.dataclass(frozen=True)
+class DcaParams:
+    """Resolved DCA settings for one model: c, s and the temperature switch."""
+
+    pretraining_length: int
+    chunk_size: int
+    temperature: bool = False
+
+    @property
+    def local_window(self) -> int:
+        return self.pretraining_length - self.chunk_size
+
+    def temperature_factor(self, num_keys: int) -> float:
+        if not self.temperature or num_keys <= self.pretraining_length:
+            return 1.0
+        return max(1.0, 0.1 * math.log(num_keys / self.pretraining_length) + 1.0)
+
+
+def _rope_parameters(model_config: Any) -> dict[str, Any]:
+    params = getattr(model_config, "rope_parameters", None) or getattr(model_config, "rope_scaling", None) or {}
+    return dict(params) if isinstance(params, Mapping) else {}
+
+
+def check_rope_type(model_config: Any) -> None:
+    """Refuse RoPE scalings whose frequencies change with the sequence length (DCA needs fixed ones)."""
+    params = _rope_parameters(model_config)
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type not in FIXED_ROPE_TYPES:
+        raise ValueError(
+            f"DCA needs RoPE frequencies that do not depend on the sequence length; this model's rope_scaling type "
+            f"is {rope_type!r} (supported: {', '.join(FIXED_ROPE_TYPES)}). Remove the {rope_type!r} scaling from "
+            "the model config to use DCA."
+        )
+
+
+def model_pretraining_length(model_config: Any) -> int:
+    params = _rope_parameters(model_config)
+    for value in (
+        params.get("original_max_position_embeddings"),
+        getattr(model_config, "original_max_position_embeddings", None),
+        getattr(model_config, "max_position_embeddings", None),
+    ):
+        if isinstance(value, int) and value > 1:
+            return value
+    raise ValueError("DCA needs pretraining_length: the model config has no max_position_embeddings; set it")
+
+
+def qwen_dca_block(model_config: Any) -> DcaConfig | None:
+    """Qwen2.5-1M's `dual_chunk_attention_config` mapped to the paper convention (None if absent).
+
+    Qwen / vLLM: keys at j mod (chunk_size - local_size), largest distance chunk_size
+    -> c = chunk_size + 1, s = chunk_size - local_size.
+    """
+    block = getattr(model_config, "dual_chunk_attention_config", None)
+    if not isinstance(block, Mapping) or "chunk_size" not in block:
+        return None
+    chunk, local = int(block["chunk_size"]), int(block.get("local_size", 0))
+    return DcaConfig(pretraining_length=chunk + 1, chunk_size=chunk - local)
+
+
+def resolve(dca: Any, model_config: Any, block_size: int | None = None) -> DcaParams | None:
+    """The DCA parameters a model runs with, or None when DCA is off.
+
+    dca: a DcaConfig (on), True (on, defaults), False (off), or None (on only if the checkpoint carries
+    Qwen's dual_chunk_attention_config). `block_size`: the MoBA block size when sparse MoBA is on.
+    """
+    if dca is False:
+        return None
+    qwen = qwen_dca_block(model_config)
+    if dca is None and qwen is None:
+        return None
+    config = DcaConfig() if dca is None or dca is True else DcaConfig.from_dict(dca)
+    check_rope_type(model_config)
+    base = qwen or DcaConfig()
+    c = config.pretraining_length or base.pretraining_length or model_pretraining_length(model_config)
+    if config.chunk_size is not None:
+        s, explicit = config.chunk_size, True
+    elif config.local_window is not None:
+        s, explicit = c - config.local_window, True
+    elif qwen is not None and config.pretraining_length is None:
+        s, explicit = qwen.chunk_size, True
+    else:
+        s, explicit = default_chunk_size(c), False
+        if block_size is not None and s >= block_size:
+            s -= s % block_size
+    _check_chunk(c, s)
+    if block_size is not None:
+        check_block_multiple(s, block_size, c, explicit)
+    return DcaParams(pretraining_length=c, chunk_size=s, temperature=config.temperature)
+
+
+def check_block_multiple(chunk_size: int, block_size: int, pretraining_length: int, explicit: bool = True) -> None:
+    if chunk_size % block_size == 0:
+        return
+    valid = nearest_multiples(chunk_size, block_size, pretraining_length)
+    hint = f"nearest valid chunk_size: {' or '.join(map(str, valid))}" if valid else "lower block_size"
+    source = "chunk_size" if explicit else "default chunk_size"
+    raise ValueError(
+        f"DCA {source}={chunk_size} must be a multiple of the MoBA block_size={block_size} when both are on "
+        f"(so each block lies in one chunk); {hint}, or use dense attention with DCA (sparse=False)"
+    )

@@ -1,0 +1,138 @@
+"""DCA inside the "moba" attention function (works with plain `from_pretrained(..., attn_implementation="moba")`).
+
+transformers rotates q and k at their absolute positions p and appends k to the KV cache before our
+attention function runs, and hands us the cache's own key tensor (DynamicCache). So `remap_fresh` moves
+the newly written keys, in place, from p to ``j mod s`` with one relative rotation (rotations compose):
+every key is rotated exactly once, on the step that writes it, and the cache then holds DCA keys for all
+later steps. Queries are moved (out of place) to ``i mod s``; `attend` derives the other two variants.
+``i`` and ``j`` count tokens from the start of each sequence, so left padding and packed rows remap
+like the unpadded sequence. Caches that return copies (quantized / offloaded-to-copy caches) would lose
+the in-place remap: use the default DynamicCache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+import torch
+
+from ..integration import sparsity
+from ..integration.layout import sequence_spans
+from .attention import dca_attention, dca_selected_blocks, query_variants
+from .config import DcaParams, resolve
+from .rope import default_inv_freq, rotate
+
+_INV_FREQ_ATTR = "_moba_dca_inv_freq"
+
+
+def model_inv_freq(module: torch.nn.Module, device: torch.device) -> torch.Tensor:
+    """The RoPE inverse frequencies of the model `module` belongs to (its own rotary class, so rope_scaling
+    types linear / llama3 / yarn keep their frequencies); cached on the module per device."""
+    cached = module.__dict__.get(_INV_FREQ_ATTR)
+    if cached is not None and cached.device == device:
+        return cached
+    config = module.config
+    rotary = _rotary_class(module)
+    if rotary is not None:
+        inv_freq = rotary(config=config).inv_freq
+    else:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        inv_freq = default_inv_freq(head_dim, float(config.rope_parameters["rope_theta"]))
+    inv_freq = inv_freq.detach().to(device=device, dtype=torch.float32)
+    setattr(module, _INV_FREQ_ATTR, inv_freq)
+    return inv_freq
+
+
+def _rotary_class(module: torch.nn.Module) -> type | None:
+    namespace = sys.modules.get(type(module).__module__)
+    prefix = type(module).__name__.removesuffix("Attention")
+    return getattr(namespace, f"{prefix}RotaryEmbedding", None)
+
+
+@dataclasses.dataclass(frozen=True)
+class DcaRun:
+    """DCA for one call of the attention function: resolved parameters and the model's frequencies."""
+
+    params: DcaParams
+    inv_freq: torch.Tensor
+
+    def applies(self, num_keys: int) -> bool:
+        """DCA changes nothing while a sequence fits in one chunk: the plain path then runs (bit-exact)."""
+        return num_keys > self.params.chunk_size
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        config: Any,
+        scale: float | None,
+        dense: bool,
+        layer: int | None,
+    ) -> torch.Tensor:
+        """q, k remapped by `remap_fresh` ([B, Hq, Nq, D], [B, Hkv, Nk, D]); config: the MobaConfig."""
+        p = self.params
+        nk = k.shape[2]
+        moba = {} if dense else dict(
+            block_size=config.block_size, top_k=config.top_k, pooling=config.pooling,
+            sink_blocks=config.sink_blocks, local_blocks=config.local_blocks,
+        )  # fmt: skip
+        if sparsity.tracking():
+            causal = q.shape[0] * sparsity.causal_pairs(q.shape[1], q.shape[2], nk)
+            attended, name = causal, "dca"
+            if not dense:
+                variants = query_variants(q, nk, p.pretraining_length, p.chunk_size, self.inv_freq, torch.float32)
+                selected = dca_selected_blocks(variants, k, chunk_size=p.chunk_size, **moba)
+                attended, name = sparsity.attended_pairs(selected, nk, config.block_size), "dca+moba"
+            sparsity.record(layer, attended, causal, name)
+        return dca_attention(
+            q, k, v, pretraining_length=p.pretraining_length, chunk_size=p.chunk_size, inv_freq=self.inv_freq,
+            scale=scale, temperature=p.temperature_factor(nk), **moba,
+        )  # fmt: skip
+
+
+def remap_fresh(
+    module: torch.nn.Module,
+    config: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    padding_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+) -> tuple[torch.Tensor, DcaRun | None]:
+    """Move the fresh keys (the last Nq of `key`, in place) and the queries to their DCA positions.
+
+    query: [B, Hq, Nq, D], key: [B, Hkv, Nk, D] as transformers hands them over (rotated at position_ids);
+    padding_mask: the 2-D mask the "moba" mask function prepared (None: no padding). Returns (query, DcaRun), or
+    (query, None) unchanged when DCA is off.
+    """
+    params = resolve(config.dca, module.config, config.block_size if config.sparse else None)
+    if params is None:
+        return query, None
+    b, nq, nk = query.shape[0], query.shape[2], key.shape[2]
+    first = nk - nq
+    device = query.device
+    spans = sequence_spans(padding_mask, position_ids, b, nq, nk)
+    if spans is None:
+        rank = torch.arange(first, nk, device=device).expand(b, nq)
+        real = torch.ones(b, nq, dtype=torch.bool, device=device)
+    else:  # token index within its own sequence; pads stay where they are
+        rank = torch.zeros(b, nq, dtype=torch.long, device=device)
+        real = torch.zeros(b, nq, dtype=torch.bool, device=device)
+        for row, keys in spans:
+            fresh = keys >= first
+            rank[row, keys[fresh] - first] = torch.arange(keys.numel(), device=device)[fresh]
+            real[row, keys[fresh] - first] = True
+    if position_ids is not None and position_ids.shape[-1] == nq:
+        rope_pos = position_ids.reshape(-1, nq).expand(b, nq).to(device)
+    else:  # no position ids: transformers' default arange
+        rope_pos = torch.arange(first, nk, device=device).expand(b, nq)
+    delta = torch.where(real, rank % params.chunk_size - rope_pos, 0)
+    inv_freq = model_inv_freq(module, device)
+    if bool(delta.any()):
+        delta = delta[:, None, :]  # [B, 1, Nq]
+        work = torch.float64 if query.dtype == torch.float64 else torch.float32  # one rounding back to the dtype
+        key[:, :, first:] = rotate(key[:, :, first:], delta, inv_freq, work).to(key.dtype)  # the cache's own tensor
+        query = rotate(query, delta, inv_freq, work).to(query.dtype)
+    return query, DcaRun(params, inv_freq)

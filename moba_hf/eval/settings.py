@@ -1,0 +1,199 @@
+"""Attention settings to compare, and switching one loaded model between them.
+
+A setting is written on the command line as
+
+    sdpa | eager | <any transformers attn_implementation>     dense attention
+    moba                                                       the checkpoint's moba_config (or the defaults)
+    moba:configs/moba_8k.toml                                  a MobaConfig file (.toml / .json / .yaml)
+    moba:block_size=64,top_k=16,full_attn_layers=3             inline MobaConfig fields
+    NAME=<any of the above>                                    the same, reported under NAME
+
+or listed in a TOML file (`load_settings_file`):
+
+    [[setting]]
+    name = "moba-64x16"                  # optional
+    attn = "moba"                        # optional when `moba` is given
+    moba = { block_size = 64, top_k = 16 }   # or a path: moba = "configs/moba_8k.toml"
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..config import MobaConfig, load_mapping
+from ..integration import apply, revert
+
+MOBA = "moba"
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One attention setting: `attn` is a transformers attn_implementation; `moba` its MobaConfig when attn is
+    "moba" (None there means the checkpoint's own moba_config or the defaults)."""
+
+    name: str
+    attn: str = "sdpa"
+    moba: MobaConfig | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise ValueError(f"setting name must be a non-empty string, got {self.name!r}")
+        if self.moba is not None and self.attn != MOBA:
+            raise ValueError(f"setting {self.name!r}: a MobaConfig needs attn='moba', got attn={self.attn!r}")
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "attn": self.attn, "moba": self.moba.to_dict() if self.moba else None}
+
+
+SettingLike = Setting | str | tuple[str, MobaConfig | None]
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas that are not inside brackets: `a=1,b=[1,2]` -> ['a=1', 'b=[1,2]']."""
+    parts, depth, current = [], 0, []
+    for char in text:
+        if char in "[(":
+            depth += 1
+        elif char in "])":
+            depth -= 1
+        if char == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    parts.append("".join(current))
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _literal(value: str) -> Any:
+    try:
+        return ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return value  # bare words such as pooling=max
+
+
+def parse_inline(text: str) -> MobaConfig:
+    """`block_size=64,top_k=16` -> MobaConfig(block_size=64, top_k=16)."""
+    fields: dict[str, Any] = {}
+    for part in _split_top_level(text):
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"inline MoBA settings must be key=value pairs joined by commas, got {part!r} in {text!r}")
+        fields[key.strip()] = _literal(value.strip())
+    return MobaConfig.from_dict(fields)
+
+
+def _auto_name(attn: str, moba: MobaConfig | None, source: str) -> str:
+    if moba is None:
+        return attn
+    if source and Path(source).suffix:
+        return Path(source).stem
+    return f"moba({source})" if source else "moba"
+
+
+def parse_setting(spec: SettingLike) -> Setting:
+    """A Setting from a command-line string, a (name, MobaConfig | None) pair (None = sdpa), or a Setting."""
+    if isinstance(spec, Setting):
+        return spec
+    if isinstance(spec, tuple):
+        if len(spec) != 2:
+            raise ValueError(f"a setting pair must be (name, MobaConfig | None), got {spec!r}")
+        name, moba = spec
+        if moba is None:
+            return Setting(name, "sdpa", None)
+        return Setting(name, MOBA, MobaConfig.from_dict(moba) if not isinstance(moba, MobaConfig) else moba)
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"setting must be e.g. 'sdpa', 'moba:configs/moba_8k.toml' or 'moba:top_k=4', got {spec!r}")
+    spec = spec.strip()
+    name = None
+    match = re.match(r"^([\w.\-+]+)=(.+)$", spec)
+    if match:
+        name, spec = match.group(1), match.group(2)
+    attn, sep, rest = spec.partition(":")
+    if not sep:
+        return Setting(name or attn, attn, None)
+    if attn != MOBA:
+        raise ValueError(f"only 'moba' takes options after ':'; got setting {spec!r}")
+    moba = parse_inline(rest) if "=" in rest and not Path(rest).is_file() else MobaConfig.from_file(rest)
+    return Setting(name or _auto_name(attn, moba, rest), MOBA, moba)
+
+
+def load_settings_file(path: str | Path) -> list[Setting]:
+    """Settings listed as [[setting]] tables in a TOML / JSON / YAML file (see the module docstring)."""
+    data = load_mapping(path)
+    rows = data.get("setting", data.get("settings"))
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"settings file {path} must list settings as [[setting]] tables, got keys {sorted(data)}")
+    settings = []
+    for i, row in enumerate(rows):
+        if isinstance(row, str):
+            settings.append(parse_setting(row))
+            continue
+        unknown = sorted(set(row) - {"name", "attn", "moba"})
+        if unknown:
+            raise ValueError(f"settings file {path}, setting #{i}: unknown keys {unknown}; valid: attn, moba, name")
+        moba_raw = row.get("moba")
+        attn = row.get("attn", MOBA if moba_raw is not None else "sdpa")
+        source = ""
+        if isinstance(moba_raw, str):
+            source = moba_raw
+            moba_path = Path(moba_raw)
+            if not moba_path.is_absolute() and not moba_path.is_file():
+                moba_path = Path(path).parent / moba_raw  # relative to the settings file
+            moba = MobaConfig.from_file(moba_path)
+        elif moba_raw is not None:
+            moba = MobaConfig.from_dict(moba_raw)
+            source = ",".join(f"{k}={v}" for k, v in moba_raw.items())
+        else:
+            moba = None
+        settings.append(Setting(row.get("name") or _auto_name(attn, moba, source), attn, moba))
+    return settings
+
+
+def resolve_settings(specs: Iterable[SettingLike] | None) -> list[Setting]:
+    """Parse a list of settings (default: sdpa only) and check that their names are unique."""
+    settings = [parse_setting(s) for s in (specs if specs is not None else ["sdpa"])]
+    if not settings:
+        raise ValueError("settings must list at least one attention setting, got an empty list")
+    names = [s.name for s in settings]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"setting names must be unique, got {duplicates} more than once (name them NAME=spec)")
+    return settings
+
+
+def setting_args(values: Sequence[str] | None, files: Sequence[str] | None = None) -> list[Setting]:
+    """Command-line helper: --attn values plus settings files; a --attn value ending in .toml is a file."""
+    specs: list[SettingLike] = []
+    for value in values or []:
+        if value.endswith((".toml", ".json", ".yaml", ".yml")) and ":" not in value and "=" not in value:
+            specs.extend(load_settings_file(value))
+        else:
+            specs.append(value)
+    for path in files or []:
+        specs.extend(load_settings_file(path))
+    return resolve_settings(specs or None)
+
+
+@contextlib.contextmanager
+def use_setting(model: Any, setting: Setting) -> Iterator[Any]:
+    """Switch `model` to `setting` for the block and back afterwards (no reload)."""
+    if setting.attn == MOBA:
+        apply(model, setting.moba)
+        try:
+            yield model
+        finally:
+            revert(model)
+        return
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(setting.attn)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)

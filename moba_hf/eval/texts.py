@@ -1,0 +1,107 @@
+"""Long texts for haystacks and perplexity: a text file, a directory of them, a `datasets` dataset, or a
+generated offline default (deterministic, varied prose-like sentences; no downloads)."""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+logger = logging.getLogger("moba_hf")
+
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
+
+_SUBJECTS = [
+    "The old lighthouse keeper", "A young engineer", "The village council", "Our neighbour's daughter",
+    "The travelling musician", "A quiet librarian", "The harbour master", "Every summer visitor",
+    "The baker on the corner", "A retired sea captain", "The school's new teacher", "The river ferryman",
+    "A curious botanist", "The night watchman", "The town's only doctor", "A wandering painter",
+]  # fmt: skip
+_VERBS = [
+    "remembered", "repaired", "described", "carried", "painted", "counted", "studied", "forgot",
+    "borrowed", "measured", "explained", "collected", "discovered", "planted", "sold", "wrote about",
+]  # fmt: skip
+_OBJECTS = [
+    "the broken clock in the square", "a basket of winter apples", "the map of the northern hills",
+    "the letters from the mainland", "a lantern with green glass", "the recipe for barley bread",
+    "the names of the fishing boats", "a small wooden boat", "the stones along the old wall",
+    "the songs of the harvest festival", "the rainfall of the last decade", "a box of faded photographs",
+    "the path through the pine forest", "the bells of the chapel", "a ledger of forgotten debts",
+]  # fmt: skip
+_TAILS = [
+    "before the first snow arrived", "while the tide was going out", "on a grey afternoon in March",
+    "long after the market had closed", "with more patience than anyone expected", "in the week of the storm",
+    "as the swallows returned", "without telling anyone why", "under the light of a paper lamp",
+    "while the bread was still warm", "just as the ferry left", "during the long dry summer",
+]  # fmt: skip
+_ASIDES = [
+    "Nobody in the valley could say how long this had been going on.",
+    "The weather that year was mild, and the roads stayed open until December.",
+    "Some said it was a habit inherited from a grandfather who had sailed far to the south.",
+    "The children made up a rhyme about it, which they sang on the way to school.",
+    "It was the kind of detail that visitors rarely noticed and locals never mentioned.",
+    "In the evenings the square filled with people talking about small things.",
+]  # fmt: skip
+
+
+def generated_text(n_words: int, seed: int = 0) -> str:
+    """About `n_words` words of varied, prose-like filler, deterministic in `seed`."""
+    rng = random.Random(f"haystack:{seed}")
+    sentences: list[str] = []
+    words = 0
+    while words < n_words:
+        if rng.random() < 0.15:
+            sentence = rng.choice(_ASIDES)
+        else:
+            sentence = f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_TAILS)}."
+        sentences.append(sentence)
+        words += sentence.count(" ") + 1
+        if rng.random() < 0.12:
+            sentences.append("\n\n")
+    return " ".join(sentences).replace(" \n\n ", "\n\n")
+
+
+def load_texts(
+    source: str | Path | None = None,
+    *,
+    dataset: str | None = None,
+    dataset_config: str | None = None,
+    split: str = "train",
+    column: str = "text",
+    max_docs: int | None = None,
+    default_words: int = 40_000,
+) -> list[str]:
+    """Documents from a text file, a directory (its text files, sorted, recursively), a `datasets` dataset
+    (`datasets.load_dataset(dataset, dataset_config, split=split)[column]`), or the generated default."""
+    if source is not None and dataset is not None:
+        raise ValueError(f"give a text source or a dataset, not both: got source={source!r}, dataset={dataset!r}")
+    if max_docs is not None and max_docs < 1:
+        raise ValueError(f"max_docs must be >= 1 or None, got {max_docs}")
+    if dataset is not None:
+        import datasets
+
+        data = datasets.load_dataset(dataset, dataset_config, split=split, streaming=max_docs is not None)
+        if max_docs is not None:
+            data = data.take(max_docs)
+        docs = []
+        for row in data:
+            if column not in row:
+                raise ValueError(f"dataset {dataset!r} has no column {column!r}; columns: {sorted(row)}")
+            docs.append(str(row[column]))
+        return docs
+    if source is None:
+        return [generated_text(default_words)]
+    path = Path(source)
+    if path.is_file():
+        docs = [path.read_text(errors="replace")]
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+        if not files:
+            raise ValueError(f"directory {path} has no text files (suffixes {', '.join(TEXT_SUFFIXES)})")
+        docs = [p.read_text(errors="replace") for p in files]
+    else:
+        raise FileNotFoundError(f"text source not found: {path} (give a file, a directory or --dataset NAME)")
+    docs = [d for d in docs if d.strip()]
+    if not docs:
+        raise ValueError(f"text source {path} holds no text")
+    return docs[:max_docs] if max_docs else docs

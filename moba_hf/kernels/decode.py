@@ -1,0 +1,221 @@
+"""Sparse MoBA decode: a few new queries read the pooled block keys and only their selected cache blocks.
+
+The caller keeps the pooled keys of the cache's blocks up to date (running sums, see
+`moba_hf.integration.cache`), so a step costs O(blocks) for the gate plus O(top_k * block_size) for attention,
+not O(cache length). Rows may start at different cache positions (left padding)::
+
+    cache row b   pad pad | x x x x | x x x x | x q      starts[b] = 2, block_size = 4
+    sequence pos          | 0 1 2 3 | 4 5 6 7 | 8 9      the query is at sequence position 9, block 2
+
+Selection goes through `selected_blocks` itself (with one "key" per block, block_size 1), so decode picks
+the blocks prefill would pick for a query at the same position, ties included.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import POOLINGS, gate_dtype, selected_blocks
+
+
+def check_decode_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_keys: torch.Tensor,
+    *,
+    block_size: int,
+    top_k: int,
+    pooling: str,
+    sink_blocks: int,
+    local_blocks: int,
+    starts: torch.Tensor | None,
+) -> None:
+    for name, value, low in (
+        ("block_size", block_size, 1),
+        ("top_k", top_k, 1),
+        ("sink_blocks", sink_blocks, 0),
+        ("local_blocks", local_blocks, 0),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("block_keys", block_keys)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D, got shape {tuple(t.shape)}")
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or hkv == 0 or hq % hkv:
+        raise ValueError(
+            f"need k, v of one shape [B, Hkv, Nk, D] with Hq % Hkv == 0; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    width = 2 * d if pooling == "mean+max" else d
+    if block_keys.shape[:2] != (b, hkv) or block_keys.shape[3] != width:
+        raise ValueError(
+            f"block_keys must be [B={b}, Hkv={hkv}, n_blocks, {width}] for pooling={pooling!r}, "
+            f"got {tuple(block_keys.shape)}"
+        )
+    if starts is not None and (starts.shape != (b,) or bool((starts < 0).any()) or bool((nk - starts < nq).any())):
+        raise ValueError(f"starts must be [B={b}] cache positions with at least Nq={nq} tokens after them (Nk={nk})")
+    if not 1 <= nq <= nk:
+        raise ValueError(f"need 1 <= Nq <= Nk, got Nq={nq}, Nk={nk}")
+
+
+def decode_selection(
+    q: torch.Tensor,
+    block_keys: torch.Tensor,
+    lengths: list[int],
+    *,
+    block_size: int,
+    top_k: int,
+    pooling: str = "mean",
+    sink_blocks: int = 0,
+    local_blocks: int = 0,
+) -> torch.Tensor:
+    """Blocks each query attends: bool [B, Hq, Nq, n_blocks] (n_blocks = block_keys.shape[2]).
+
+    q: [B, Hq, Nq, D], the last Nq tokens of row b's sequence of `lengths[b]` tokens;
+    block_keys: [B, Hkv, n_blocks, D] pooled keys (for "mean+max": [mean | max] on the last dim).
+    """
+    b, hq, nq, _ = q.shape
+    nb = block_keys.shape[2]
+    # "mean+max" scores q.mean + q.max, i.e. one dot product of [q | q] with [mean | max]
+    gate_q = torch.cat([q, q], dim=-1) if pooling == "mean+max" else q
+    out = torch.zeros(b, hq, nq, nb, dtype=torch.bool, device=q.device)
+    for i in range(nq):
+        # rows whose query i sits in the same block select together (usually all rows)
+        current = [(lengths[r] - nq + i) // block_size for r in range(b)]
+        for c in sorted(set(current)):
+            rows = [r for r in range(b) if current[r] == c]
+            index = torch.tensor(rows, device=q.device) if len(rows) < b else slice(None)
+            sel = selected_blocks(
+                gate_q[index, :, i : i + 1],
+                block_keys[index, :, : c + 1],
+                block_size=1,  # one pooled key per block: the gate sees the same scores as in prefill
+                top_k=top_k,
+                pooling="mean",  # the mean of one key is that key
+                sink_blocks=sink_blocks,
+                local_blocks=local_blocks,
+                q_start=c,
+            )
+            out[index, :, i : i + 1, : c + 1] = sel
+    return out
+
+
+def moba_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_keys: torch.Tensor,
+    *,
+    block_size: int,
+    top_k: int,
+    scale: float | None = None,
+    pooling: str = "mean",
+    sink_blocks: int = 0,
+    local_blocks: int = 0,
+    starts: torch.Tensor | None = None,
+    return_selection: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """MoBA attention of a few new queries over a KV cache, reading only the selected blocks.
+
+    q: [B, Hq, Nq, D] -- the last Nq positions of the cache (Nq small: decode, speculative steps).
+    k, v: [B, Hkv, Nk, D] -- the cache including the queries' own keys.
+    block_keys: [B, Hkv, n_blocks, D] (2D for "mean+max") -- each block's pooled keys in row b's sequence
+        layout, covering at least the blocks of all Nk - starts[b] tokens; later entries are ignored.
+    starts: [B] long -- cache position where row b's sequence begins (left padding); None means 0.
+        Row b's sequence is cache positions starts[b] .. Nk - 1, all real tokens.
+    Returns [B, Hq, Nq, D] in q's dtype (and the selection [B, Hq, Nq, n_blocks] if `return_selection`):
+    exactly `moba_attention(q_b, k_b, v_b, ...)` for every row's sequence, with `block_keys` as the gate's keys.
+    """
+    check_decode_args(
+        q,
+        k,
+        v,
+        block_keys,
+        block_size=block_size,
+        top_k=top_k,
+        pooling=pooling,
+        sink_blocks=sink_blocks,
+        local_blocks=local_blocks,
+        starts=starts,
+    )
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    scale = d**-0.5 if scale is None else scale
+    dev = q.device
+    if starts is None:
+        starts = torch.zeros(b, dtype=torch.long, device=dev)
+    starts = starts.to(device=dev, dtype=torch.long)
+    lengths = (nk - starts).tolist()
+    needed = -(-max(lengths) // block_size)
+    if block_keys.shape[2] < needed:
+        raise ValueError(f"block_keys has {block_keys.shape[2]} blocks, the sequences need {needed}")
+    selected = decode_selection(
+        q,
+        block_keys[:, :, :needed],
+        lengths,
+        block_size=block_size,
+        top_k=top_k,
+        pooling=pooling,
+        sink_blocks=sink_blocks,
+        local_blocks=local_blocks,
+    )  # [B, Hq, Nq, nb]
+
+    # per KV head, the union of the blocks its query heads selected: each is copied once and shared by the group
+    g = hq // hkv
+    by_head = selected.view(b, hkv, g * nq, -1)  # [B, Hkv, g*Nq, nb], rows ordered (query head, query)
+    union = by_head.any(dim=2)  # [B, Hkv, nb]
+    n_union = int(union.sum(-1).max())
+    in_union, blk = union.to(torch.int8).topk(n_union, dim=-1)  # [B, Hkv, U]; pad entries have in_union 0
+    # each block is read as one window of W contiguous cache keys (a strided view, no copy of the cache);
+    # a partial last block's window is shifted left to end at Nk and the keys outside the block are masked
+    width = min(block_size, nk)
+    block_start = blk * block_size + starts[:, None, None]  # cache position of each block's first key
+    win_start = block_start.clamp(max=nk - width)
+    window = (torch.arange(b, device=dev)[:, None, None] * hkv + torch.arange(hkv, device=dev)[:, None]) * nk
+    window = (window + win_start).flatten()  # window ids in the flattened [B * Hkv * Nk] key rows
+    dtype = gate_dtype(q.dtype)
+    k_sel = _windows(k, width).index_select(0, window).view(b, hkv, -1, d).to(dtype)  # [B, Hkv, U*W, D]
+    v_sel = _windows(v, width).index_select(0, window).view(b, hkv, -1, d).to(dtype)
+
+    key_pos = (win_start[..., None] + torch.arange(width, device=dev)).flatten(-2)[:, :, None]  # [B, Hkv, 1, U*W]
+    q_pos = (nk - nq + torch.arange(nq, device=dev)).repeat(g)[None, None, :, None]  # [1, 1, g*Nq, 1]
+    wanted = by_head.gather(-1, blk[:, :, None].expand(-1, -1, g * nq, -1)) & in_union.bool()[:, :, None]
+    block_start = block_start.repeat_interleave(width, dim=-1)[:, :, None]
+    valid = wanted.repeat_interleave(width, dim=-1) & (key_pos >= block_start)  # [B, Hkv, g*Nq, U*W]
+    valid &= (key_pos < block_start + block_size) & (key_pos <= q_pos)
+
+    scores = (q.reshape(b, hkv, g * nq, d).to(dtype) @ k_sel.transpose(-1, -2)) * scale
+    probs = scores.masked_fill(~valid, float("-inf")).softmax(dim=-1)
+    out = (probs @ v_sel).view(b, hq, nq, d).to(q.dtype)
+    return (out, selected) if return_selection else out
+
+
+def _windows(x: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, H, N, D] -> overlapping view [B*H*N - width + 1, width, D]: window (b*H + h)*N + p is x[b, h, p : p + width]
+    (windows that cross from one head into the next exist but are never selected). Copies only a non-contiguous x."""
+    x = x.contiguous()
+    d = x.shape[-1]
+    return x.as_strided((x.numel() // d - width + 1, width, d), (d, d, 1), x.storage_offset())
+
+
+def block_keys_from_cache(
+    k: torch.Tensor, block_size: int, pooling: str = "mean", starts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Pooled block keys [B, Hkv, n_blocks, D or 2D] of each row's sequence (cache positions starts[b]..Nk-1),
+    recomputed from scratch: the oracle for the running sums (and the slow path when none are kept)."""
+    from .common import pooled_keys
+
+    b, hkv, nk, d = k.shape
+    if starts is None:
+        return pooled_keys(k, block_size, pooling)
+    nb = -(-int((nk - starts).max()) // block_size)
+    width = 2 * d if pooling == "mean+max" else d
+    out = k.new_zeros(b, hkv, nb, width, dtype=gate_dtype(k.dtype))
+    for r in range(b):
+        pooled = pooled_keys(k[r : r + 1, :, int(starts[r]) :], block_size, pooling)
+        out[r : r + 1, :, : pooled.shape[2]] = pooled
+    return out

@@ -1,0 +1,180 @@
+"""MoBA on PyTorch FlexAttention (backend "flex"): a BlockMask from the selection plus a per-token mask_mod.
+
+Sparsity at two levels::
+
+    BlockMask (q tile of 128 x kv tile): a tile is visited if any query of the q tile selected any block under it
+    mask_mod  (per token)              : own block causally, or one of the query's own picked blocks
+
+FlexAttention computes only the visited tiles, so the saving depends on how much the queries of one q tile agree
+on their blocks (neighbouring queries of a real model often do; independent random queries do not).
+On CUDA the kernel is compiled Triton; on CPU it runs under `torch.compile` (C++ codegen, slow to compile).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .common import check_moba_args, num_blocks, selected_blocks
+from .torch_impl import moba_attention_torch
+
+logger = logging.getLogger("moba_hf")
+
+try:
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+except ImportError as err:  # torch < 2.5
+    raise ImportError(f"FlexAttention needs torch >= 2.5 ({err})") from err
+
+_Q_TILE = 128
+_GATE_ELEMENTS = 1 << 26  # selection (rows x blocks) held at once
+_compiled = None
+_warned: list[bool] = []
+
+
+def _flex():
+    """flex_attention, compiled once (eager flex is a slow debugging path and materializes scores)."""
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(flex_attention)
+    return _compiled
+
+
+def _kv_tile(block_size: int) -> int:
+    # a MoBA block is one kv tile when it is a multiple of 128; else 128-key tiles (each may hold several blocks)
+    return block_size if block_size % 128 == 0 else 128
+
+
+def _selection(q, k, block_size, top_k, pooling, sink_blocks, local_blocks):
+    """(picks [B, Hq, Nq, S] int32: earlier blocks each query picked, -1 = none; tiles [B, Hq, n_qtiles, n_kvtiles])."""
+    b, hq, nq, _ = q.shape
+    nk = k.shape[2]
+    nb = num_blocks(nk, block_size)
+    start = nk - nq
+    kv_tile = _kv_tile(block_size)
+    n_kvt = -(-nk // kv_tile)
+    slots = max(1, min(nb, top_k - 1 + sink_blocks + local_blocks))
+    # block j overlaps kv tile u
+    first_key = torch.arange(nb, device=q.device) * block_size
+    last_key = (first_key + block_size).clamp(max=nk) - 1
+    overlap = (first_key[:, None] // kv_tile <= torch.arange(n_kvt, device=q.device)) & (
+        torch.arange(n_kvt, device=q.device) <= last_key[:, None] // kv_tile
+    )
+    picks, tiles = [], []
+    per = max(_Q_TILE, _GATE_ELEMENTS // (b * hq * nb) // _Q_TILE * _Q_TILE)
+    for a in range(0, nq, per):
+        n = min(per, nq - a)
+        sel = selected_blocks(
+            q[:, :, a : a + n],
+            k,
+            block_size=block_size,
+            top_k=top_k,
+            pooling=pooling,
+            sink_blocks=sink_blocks,
+            local_blocks=local_blocks,
+            q_start=start + a,
+        )
+        own = ((torch.arange(n, device=q.device) + start + a) // block_size)[:, None] == torch.arange(
+            nb, device=q.device
+        )
+        earlier = sel & ~own
+        # the selected block ids first (descending key), -1 where fewer than `slots` were picked
+        key = torch.where(earlier, torch.arange(nb, device=q.device, dtype=torch.int32), -1)
+        picks.append(key.topk(slots, dim=-1).values)
+        pad = -n % _Q_TILE
+        sel_t = torch.nn.functional.pad(sel, (0, 0, 0, pad)).unflatten(2, (-1, _Q_TILE)).any(dim=3)
+        tiles.append((sel_t.to(torch.float32) @ overlap.to(torch.float32)) > 0)
+    return torch.cat(picks, dim=2), torch.cat(tiles, dim=2)
+
+
+def _mask_mod(picks: torch.Tensor, block_size: int, offset: int, top_k: int):
+    slots = picks.shape[-1]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        pos = q_idx + offset
+        blk = kv_idx // block_size
+        keep = blk == pos // block_size
+        for s in range(slots):
+            keep = keep | (picks[b, h, q_idx, s] == blk)
+        return keep & (kv_idx <= pos)
+
+    mask_mod.__name__ = f"moba_block{block_size}_top{top_k}"
+    return mask_mod
+
+
+def moba_block_mask(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    block_size: int,
+    top_k: int,
+    pooling: str = "mean",
+    sink_blocks: int = 0,
+    local_blocks: int = 0,
+) -> BlockMask:
+    """The FlexAttention BlockMask of MoBA for these queries and keys (queries = the last Nq positions)."""
+    b, hq, nq, _ = q.shape
+    nk = k.shape[2]
+    picks, tiles = _selection(q, k, block_size, top_k, pooling, sink_blocks, local_blocks)
+    kv_num = tiles.sum(dim=-1, dtype=torch.int32)
+    kv_idx = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return BlockMask.from_kv_blocks(
+        kv_num,
+        kv_idx,
+        BLOCK_SIZE=(_Q_TILE, _kv_tile(block_size)),
+        mask_mod=_mask_mod(picks, block_size, nk - nq, top_k),
+        seq_lengths=(nq, nk),
+    )
+
+
+def moba_attention_flex(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    block_size: int,
+    top_k: int,
+    scale: float | None = None,
+    pooling: str = "mean",
+    sink_blocks: int = 0,
+    local_blocks: int = 0,
+) -> torch.Tensor:
+    """MoBA attention (same contract as `moba_attention_reference`) with FlexAttention.
+
+    q: [B, Hq, Nq, D]; k, v: [B, Hkv, Nk, D]; returns [B, Hq, Nq, D] in q's dtype; differentiable in q, k, v.
+    """
+    check_moba_args(
+        q, k, v, block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
+    )
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if needs_grad and q.device.type == "cpu":  # FlexAttention has no CPU backward
+        if not _warned:
+            _warned.append(True)
+            logger.warning("moba_hf: flex has no CPU backward; using backend 'torch' when gradients are needed")
+        return moba_attention_torch(
+            q,
+            k,
+            v,
+            block_size=block_size,
+            top_k=top_k,
+            scale=scale,
+            pooling=pooling,
+            sink_blocks=sink_blocks,
+            local_blocks=local_blocks,
+        )
+    with torch.no_grad():
+        mask = moba_block_mask(
+            q,
+            k,
+            block_size=block_size,
+            top_k=top_k,
+            pooling=pooling,
+            sink_blocks=sink_blocks,
+            local_blocks=local_blocks,
+        )
+    out = _flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out.to(q.dtype)
+
+
+# "auto" uses flex on CUDA only: on CPU each new shape triggers a long C++ compilation
+moba_attention_flex.supports = lambda q: q.device.type == "cuda"

@@ -1,0 +1,415 @@
+"""MoBA in pure PyTorch without any N x N tensor: the CPU workhorse (backend "torch").
+
+Work is split into *pieces*, each a small dense attention whose partial softmaxes are merged by log-sum-exp::
+
+    own block  : queries of block c  x  keys of block c (causal)   -- batched over blocks, GQA heads share K
+    gated block: the (head, query) rows that picked block j  x  keys of block j (no mask)
+
+Every row sees its own block exactly once and each picked earlier block once, so merging the pieces' (out, lse)
+gives the softmax over the union of attended keys. Memory grows with N * top_k * block_size (pieces are bounded
+in rows), never with N^2. The backward recomputes each piece from the saved final output and log-sum-exp, the
+flash-attention way: P = exp(S - lse_final) is that piece's share of the global softmax.
+
+On CPU the pieces run PyTorch's fused flash-attention kernel (`_scaled_dot_product_flash_attention_for_cpu`,
+forward and backward, it returns the log-sum-exp); elsewhere, or if that op is missing, plain matmuls do it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+from .common import check_moba_args, gate_dtype, num_blocks, selected_blocks
+
+# working-set bounds: small enough to keep memory ~ N * top_k * block_size, big enough for efficient kernels
+_CHUNK = 256  # gated rows per fused-batch entry (a group's last chunk is padded)
+_BATCH_ROWS = 8192  # rows per fused call on CPU
+_GATE_ELEMENTS = 1 << 20  # gate scores (rows x blocks) held at once on CPU
+_GPU_SCALE = 64  # GPUs hold this many times more gate scores at once
+_GPU_SCORES = 1 << 27  # score elements of one fused call on a GPU (the matmul path materializes them)
+
+
+def _batch_rows(device: torch.device, block_size: int) -> int:
+    return _BATCH_ROWS if device.type == "cpu" else max(_CHUNK, _GPU_SCORES // block_size)
+
+
+# private but long-standing ops (torch >= 2.3); looked up softly so a missing one means the matmul path
+_FUSED_FWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FUSED_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+use_fused = True  # tests switch this off to check the matmul path
+# Index bookkeeping (gathers, sorts, merges: many short memory-bound ops) runs on one thread and only the fused
+# attention calls use the caller's threads: on a busy machine each short multi-threaded op waits milliseconds
+# for its sleeping worker threads, which made the bookkeeping cost more than the attention itself.
+serial_bookkeeping = True
+_threads = threading.local()
+
+
+@contextlib.contextmanager
+def _serial(q: torch.Tensor):
+    n = torch.get_num_threads()
+    if not (serial_bookkeeping and _fused(q)) or n == 1 or getattr(_threads, "n", 0):
+        yield
+        return
+    _threads.n = n
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+        _threads.n = 0
+
+
+def _parallel(fn, *args, **kwargs):
+    n = getattr(_threads, "n", 0)
+    if not n:
+        return fn(*args, **kwargs)
+    torch.set_num_threads(n)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        torch.set_num_threads(1)
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)  # tests fill it with NaN: unwritten rows must show
+
+
+def _fused(t: torch.Tensor) -> bool:
+    return use_fused and _FUSED_FWD is not None and _FUSED_BWD is not None and t.device.type == "cpu"
+
+
+def _offset_mask(nq: int, nk: int, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """Additive causal mask, query i at key position i + offset (bottom-right when offset = nk - nq)."""
+    allowed = torch.arange(nq, device=like.device)[:, None] + offset >= torch.arange(nk, device=like.device)[None, :]
+    return torch.zeros(nq, nk, dtype=like.dtype, device=like.device).masked_fill_(~allowed, float("-inf"))
+
+
+def _piece_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense attention of one piece: q [b, hq, n, d], k, v [b, hk, m, d] -> (out [b, hq, n, d], lse [b, hq, n]).
+
+    offset None: no mask; otherwise causal with query i at key position i + offset.
+    """
+    n, m = q.shape[2], k.shape[2]
+    if _fused(q):
+        if offset is None or (offset == 0 and n == m):
+            return _parallel(_FUSED_FWD, q, k, v, 0.0, offset is not None, scale=scale)
+        return _parallel(_FUSED_FWD, q, k, v, 0.0, False, attn_mask=_offset_mask(n, m, offset, q), scale=scale)
+    b, hq, _, d = q.shape
+    hk = k.shape[1]
+    q5 = q.reshape(b, hk, hq // hk, n, d)
+    s = (q5 @ k[:, :, None].transpose(-1, -2)) * scale
+    if offset is not None:
+        s = s + _offset_mask(n, m, offset, s)
+    lse = s.logsumexp(dim=-1)
+    out = (s - lse[..., None]).exp() @ v[:, :, None]
+    return out.reshape(b, hq, n, d), lse.reshape(b, hq, n)
+
+
+def _piece_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    offset: int | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one piece given the *final* output and log-sum-exp of its rows (shapes as `_piece_fwd`)."""
+    n, m = q.shape[2], k.shape[2]
+    if _fused(q):
+        if offset is None or (offset == 0 and n == m):
+            return _parallel(_FUSED_BWD, do, q, k, v, o, lse, 0.0, offset is not None, scale=scale)
+        return _parallel(
+            _FUSED_BWD, do, q, k, v, o, lse, 0.0, False, attn_mask=_offset_mask(n, m, offset, q), scale=scale
+        )
+    b, hq, _, d = q.shape
+    hk = k.shape[1]
+    g = hq // hk
+    q5, do5, o5 = (t.reshape(b, hk, g, n, d) for t in (q, do, o))
+    k5, v5 = k[:, :, None], v[:, :, None]
+    s = (q5 @ k5.transpose(-1, -2)) * scale
+    if offset is not None:
+        s = s + _offset_mask(n, m, offset, s)
+    p = (s - lse.reshape(b, hk, g, n, 1)).exp()
+    dv = (p.transpose(-1, -2) @ do5).sum(2)
+    dp = do5 @ v5.transpose(-1, -2)
+    ds = p * (dp - (do5 * o5).sum(-1, keepdim=True))
+    dq = (ds @ k5) * scale
+    dk = (ds.transpose(-1, -2) @ q5).sum(2) * scale
+    return dq.reshape(b, hq, n, d), dk, dv
+
+
+class _Plan:
+    """Which pieces to run; built once, used by forward and backward.
+
+    Rows are addressed flat over [B, Hq, Nq]: row = (b * Hq + head) * Nq + query; key blocks flat over
+    [B, Hkv, n_blocks]: block = (b * Hkv + kv_head) * n_blocks + j.
+    Own blocks: `own_full` (first, end) blocks wholly covered by queries (batched), `own_partial` the cut ones as
+    (block, first query position, key end).
+    Gated (row, block) pairs are ordered by (slot, block), slot = rank of the pair within its row, so one slot's
+    pairs touch each row at most once and can be merged into the output in place. Each (slot, block) group is
+    padded to whole chunks of _CHUNK rows (padding repeats a real row of the group and is marked `dummy`), so a
+    batch of chunks is one fused call with batch = chunks.
+    """
+
+    def __init__(self, q, k, block_size, top_k, pooling, sink_blocks, local_blocks):
+        b, hq, nq, _ = q.shape
+        hkv, nk = k.shape[1], k.shape[2]
+        bs, g = block_size, hq // hkv
+        nb = num_blocks(nk, bs)
+        start = nk - nq
+        dev = q.device
+        self.device = dev
+        full = [c for c in range(start // bs, nb) if c * bs >= start and (c + 1) * bs <= nk]
+        self.own_full = (full[0], full[-1] + 1) if full else None
+        self.own_partial = [
+            (c, max(start, c * bs), min((c + 1) * bs, nk)) for c in range(start // bs, nb) if c not in full
+        ]
+        self.batches: list[tuple[slice, slice]] = []  # (padded rows, chunks) of each fused call
+        if top_k == 1 and not sink_blocks and not local_blocks:
+            return
+        rows, blocks = [], []
+        per = max(
+            1, _GATE_ELEMENTS * (1 if dev.type == "cpu" else _GPU_SCALE) // (b * hq * nb)
+        )  # bounds the gate scores held at once
+        for a in range(0, nq, per):
+            n = min(per, nq - a)
+            sel = selected_blocks(
+                q[:, :, a : a + n],
+                k,
+                block_size=bs,
+                top_k=top_k,
+                pooling=pooling,
+                sink_blocks=sink_blocks,
+                local_blocks=local_blocks,
+                q_start=start + a,
+            )
+            own = ((torch.arange(n, device=dev) + start + a) // bs)[:, None] == torch.arange(nb, device=dev)
+            ib, ih, iq, ij = (sel & ~own).nonzero().unbind(1)  # sorted by row, then block
+            rows.append((ib * hq + ih) * nq + iq + a)
+            blocks.append((ib * hkv + ih // g) * nb + ij)
+        rows, blocks = torch.cat(rows), torch.cat(blocks)
+        if rows.numel() == 0:
+            return
+        _, per_row = torch.unique_consecutive(rows, return_counts=True)
+        slot = torch.arange(rows.numel(), device=dev) - torch.repeat_interleave(per_row.cumsum(0) - per_row, per_row)
+        order = torch.argsort(slot * (b * hkv * nb) + blocks, stable=True)
+        rows, blocks, slot = rows[order], blocks[order], slot[order]
+        keys, counts = torch.unique_consecutive(slot * (b * hkv * nb) + blocks, return_counts=True)
+        chunks = (counts + _CHUNK - 1) // _CHUNK
+        padded = chunks * _CHUNK
+        first = counts.cumsum(0) - counts
+        group = torch.repeat_interleave(torch.arange(counts.numel(), device=dev), counts)
+        pos = (padded.cumsum(0) - padded)[group] + torch.arange(rows.numel(), device=dev) - first[group]
+        self.rows = torch.repeat_interleave(rows[first], padded)
+        self.rows[pos] = rows
+        self.dummy = torch.ones(self.rows.numel(), dtype=torch.bool, device=dev)
+        self.dummy[pos] = False
+        self.blocks = torch.repeat_interleave(keys % (b * hkv * nb), chunks)
+        # fused calls of at most _BATCH_ROWS rows, never mixing two slots
+        slot_chunks = torch.zeros(int(slot[-1]) + 1, dtype=torch.long, device=dev)
+        slot_chunks.index_add_(0, keys // (b * hkv * nb), chunks)
+        step = max(1, _batch_rows(dev, bs) // _CHUNK)
+        c0 = 0
+        for n_chunks in slot_chunks.tolist():
+            for c in range(c0, c0 + n_chunks, step):
+                c_end = min(c + step, c0 + n_chunks)
+                self.batches.append((slice(c * _CHUNK, c_end * _CHUNK), slice(c, c_end)))
+            c0 += n_chunks
+
+
+def _rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows (flat over the first three dims) of a [B, H, N, D] tensor of any strides -> [len(rows), D]."""
+    if t.is_contiguous():
+        return t.view(-1, t.shape[-1]).index_select(0, rows)
+    h, n = t.shape[1], t.shape[2]
+    return t[rows // (h * n), rows // n % h, rows % n]
+
+
+def _key_blocks(t: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Whole key blocks (flat over [B, Hkv, n_blocks]) of [B, Hkv, Nk, D] -> [len(blocks), 1, block_size, D]."""
+    h, n, d = t.shape[1], t.shape[2], t.shape[3]
+    nb = num_blocks(n, block_size)
+    if t.is_contiguous() and n == nb * block_size:
+        return t.view(-1, block_size, d).index_select(0, blocks)[:, None]
+    whole = t[:, :, : (n // block_size) * block_size].unflatten(2, (n // block_size, block_size))
+    return whole[blocks // (h * nb), blocks // nb % h, blocks % nb][:, None]
+
+
+def _blocks_view(t: torch.Tensor, bi: int, heads: slice, first: int, blocks: tuple[int, int], bs: int) -> torch.Tensor:
+    """Blocks c0..c1-1 of [B, H, N, ...] (position p at index p - first) as [c1 - c0, H', bs, ...], a view."""
+    c0, c1 = blocks
+    x = t[bi, heads, c0 * bs - first : c1 * bs - first]
+    return x.unflatten(1, (c1 - c0, bs)).transpose(0, 1)
+
+
+def _own_pieces(plan: _Plan, b: int, hkv: int, g: int, bs: int, start: int):
+    """Own-block pieces: (batch, q heads, kv heads, blocks (c0, c1) or (query rows, keys), causal offset or None)."""
+    for bi in range(b):
+        for h in range(hkv):
+            heads, kv = slice(h * g, (h + 1) * g), slice(h, h + 1)
+            if plan.own_full is not None:
+                step = max(1, _batch_rows(plan.device, bs) // (g * bs))
+                for c0 in range(plan.own_full[0], plan.own_full[1], step):
+                    yield bi, heads, kv, (c0, min(c0 + step, plan.own_full[1])), None
+            for c, first, end in plan.own_partial:
+                yield bi, heads, kv, (slice(first - start, end - start), slice(c * bs, end)), first - c * bs
+
+
+def _forward(q, k, v, plan: _Plan, block_size: int, scale: float, dtype: torch.dtype):
+    b, hq, nq, d = q.shape
+    hkv = k.shape[1]
+    g, bs, start = hq // hkv, block_size, k.shape[2] - nq
+    trash = b * hq * nq  # an extra last row receives the padding rows' results
+    out_rows = _empty((trash + 1, d), dtype, q.device)
+    lse_rows = _empty((trash + 1,), dtype, q.device)
+    out_rows[trash], lse_rows[trash] = 0, 0
+    out, lse = out_rows[:trash].view(b, hq, nq, d), lse_rows[:trash].view(b, hq, nq)
+    for bi, heads, kv, where, offset in _own_pieces(plan, b, hkv, g, bs, start):
+        if offset is None:  # whole blocks, batched as [blocks, heads, bs, D]
+            o, l_ = _piece_fwd(
+                _blocks_view(q, bi, heads, start, where, bs).to(dtype),
+                _blocks_view(k, bi, kv, 0, where, bs).to(dtype),
+                _blocks_view(v, bi, kv, 0, where, bs).to(dtype),
+                0,
+                scale,
+            )
+            _blocks_view(out, bi, heads, start, where, bs).copy_(o)
+            _blocks_view(lse, bi, heads, start, where, bs).copy_(l_)
+        else:
+            rows, keys = where
+            o, l_ = _piece_fwd(
+                q[bi, heads, rows][None].to(dtype),
+                k[bi, kv, keys][None].to(dtype),
+                v[bi, kv, keys][None].to(dtype),
+                offset,
+                scale,
+            )
+            out[bi, heads, rows] = o[0]
+            lse[bi, heads, rows] = l_[0]
+    for rows, chunks in plan.batches:
+        idx = plan.rows[rows]
+        dst = idx.masked_fill(plan.dummy[rows], trash)
+        o, l_ = _piece_fwd(
+            _rows(q, idx).to(dtype).view(-1, 1, _CHUNK, d),
+            _key_blocks(k, plan.blocks[chunks], bs).to(dtype),
+            _key_blocks(v, plan.blocks[chunks], bs).to(dtype),
+            None,
+            scale,
+        )
+        # log-sum-exp merge with what the row has so far (its own block and earlier slots)
+        l_, o = l_.view(-1), o.view(-1, d)
+        l_old = lse_rows.index_select(0, dst)
+        l_new = torch.logaddexp(l_old, l_)
+        o_new = out_rows.index_select(0, dst).mul_((l_old - l_new).exp_()[:, None])
+        o_new.add_(o.mul_((l_ - l_new).exp_()[:, None]))
+        out_rows.index_copy_(0, dst, o_new)
+        lse_rows.index_copy_(0, dst, l_new)
+    return out, lse
+
+
+def _backward(do, q, k, v, out, lse, plan: _Plan, block_size: int, scale: float, dtype: torch.dtype):
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    g, bs, start = hq // hkv, block_size, nk - nq
+    nb = num_blocks(nk, bs)
+    do = do.to(dtype)
+    dq = torch.zeros(b, hq, nq, d, dtype=dtype, device=q.device)
+    dk = torch.zeros(b, hkv, nb * bs, d, dtype=dtype, device=q.device)
+    dv = torch.zeros(b, hkv, nb * bs, d, dtype=dtype, device=q.device)
+    for bi, heads, kv, where, offset in _own_pieces(plan, b, hkv, g, bs, start):
+        if offset is None:
+            gq, gk, gv = _piece_bwd(
+                *(_blocks_view(t, bi, heads, start, where, bs).to(dtype) for t in (do, q)),
+                *(_blocks_view(t, bi, kv, 0, where, bs).to(dtype) for t in (k, v)),
+                _blocks_view(out, bi, heads, start, where, bs),
+                _blocks_view(lse, bi, heads, start, where, bs),
+                0,
+                scale,
+            )
+            _blocks_view(dq, bi, heads, start, where, bs).add_(gq)
+            _blocks_view(dk, bi, kv, 0, where, bs).add_(gk)
+            _blocks_view(dv, bi, kv, 0, where, bs).add_(gv)
+        else:
+            rows, keys = where
+            gq, gk, gv = _piece_bwd(
+                do[bi, heads, rows][None],
+                q[bi, heads, rows][None].to(dtype),
+                k[bi, kv, keys][None].to(dtype),
+                v[bi, kv, keys][None].to(dtype),
+                out[bi, heads, rows][None],
+                lse[bi, heads, rows][None],
+                offset,
+                scale,
+            )
+            dq[bi, heads, rows] += gq[0]
+            dk[bi, kv, keys] += gk[0]
+            dv[bi, kv, keys] += gv[0]
+    dq_rows, dk_blocks, dv_blocks = dq.view(-1, d), dk.view(-1, bs, d), dv.view(-1, bs, d)
+    lse_rows = lse.reshape(-1)
+    for rows, chunks in plan.batches:
+        idx = plan.rows[rows]
+        # padding rows get lse = +inf: probability 0, so they add nothing to any gradient
+        lse_g = lse_rows.index_select(0, idx).masked_fill_(plan.dummy[rows], float("inf"))
+        gq, gk, gv = _piece_bwd(
+            _rows(do, idx).view(-1, 1, _CHUNK, d),
+            _rows(q, idx).to(dtype).view(-1, 1, _CHUNK, d),
+            _key_blocks(k, plan.blocks[chunks], bs).to(dtype),
+            _key_blocks(v, plan.blocks[chunks], bs).to(dtype),
+            _rows(out, idx).view(-1, 1, _CHUNK, d),
+            lse_g.view(-1, 1, _CHUNK),
+            None,
+            scale,
+        )
+        dq_rows.index_add_(0, idx, gq.view(-1, d))
+        dk_blocks.index_add_(0, plan.blocks[chunks], gk[:, 0])
+        dv_blocks.index_add_(0, plan.blocks[chunks], gv[:, 0])
+    return dq, dk[:, :, :nk], dv[:, :, :nk]
+
+
+class _MobaTorch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan, block_size, scale):
+        dtype = gate_dtype(q.dtype)
+        with _serial(q):
+            out, lse = _forward(q, k, v, plan, block_size, scale, dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.block_size, ctx.scale, ctx.dtype = plan, block_size, scale, dtype
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        with _serial(q):
+            dq, dk, dv = _backward(grad_out, q, k, v, out, lse, ctx.plan, ctx.block_size, ctx.scale, ctx.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def moba_attention_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    block_size: int,
+    top_k: int,
+    scale: float | None = None,
+    pooling: str = "mean",
+    sink_blocks: int = 0,
+    local_blocks: int = 0,
+) -> torch.Tensor:
+    """MoBA attention (same contract as `moba_attention_reference`) without N x N tensors; autograd-capable.
+
+    q: [B, Hq, Nq, D]; k, v: [B, Hkv, Nk, D]; returns [B, Hq, Nq, D] in q's dtype.
+    """
+    check_moba_args(
+        q, k, v, block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
+    )
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    with _serial(q):
+        plan = _Plan(q, k, block_size, top_k, pooling, sink_blocks, local_blocks)
+    return _MobaTorch.apply(q, k, v, plan, block_size, scale)

@@ -1,0 +1,73 @@
+"""`moba-hf train CONFIG.toml`: continued training with MoBA (run under `accelerate launch` for DDP / FSDP)."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+from typing import Any
+
+
+def add_commands(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "train", help="continue-train a model with MoBA (Trainer; accelerate launch for multi-GPU)"
+    )
+    p.add_argument("config", help="training config (.toml / .json / .yaml), see configs/train_cpu_demo.toml")
+    p.add_argument("--model", help="override [model] name: an embedded name, a local path or a hub id")
+    p.add_argument("--output-dir", help="override [train] output_dir")
+    p.add_argument("--max-steps", type=int, help="override [train] max_steps")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override any key, e.g. --set moba.top_k=4 --set train.learning_rate=2e-4 (repeatable)",
+    )
+    p.set_defaults(func=run)
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """ "train.learning_rate=2e-4" -> ("train", "learning_rate", 0.0002); values are Python / TOML-like literals."""
+    key, sep, raw = text.partition("=")
+    section, dot, name = key.partition(".")
+    if not sep or not dot or not section or not name:
+        raise ValueError(f"--set must look like SECTION.KEY=VALUE, got {text!r}")
+    lowered = {"true": "True", "false": "False"}.get(raw.strip().lower(), raw)
+    try:
+        value = ast.literal_eval(lowered)
+    except (ValueError, SyntaxError):
+        value = raw  # a bare string
+    return section, name, value
+
+
+def load_config(path: str, overrides: list[str] = (), direct: dict[tuple[str, str], Any] | None = None):
+    from ..config import load_mapping
+    from .config import TrainConfig
+
+    data = load_mapping(path)
+    changes = [parse_override(o) for o in overrides]
+    changes += [(s, k, v) for (s, k), v in (direct or {}).items() if v is not None]
+    for section, name, value in changes:
+        data.setdefault(section, {})[name] = value
+    return TrainConfig.from_dict(data)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .trainer import train
+
+    config = load_config(
+        args.config,
+        args.set,
+        {
+            ("model", "name"): args.model,
+            ("train", "output_dir"): args.output_dir,
+            ("train", "max_steps"): args.max_steps,
+        },
+    )
+    result = train(config)
+    if not result.is_main_process:
+        return 0
+    if result.losses:
+        print(f"loss: first {result.losses[0]:.4f} last {result.losses[-1]:.4f} over {len(result.losses)} logs")
+    if result.output_dir is not None:
+        print(f"saved to {result.output_dir} (reload: from_pretrained(path, attn_implementation='moba'))")
+    return 0

@@ -1,0 +1,174 @@
+"""Training data: documents from text / JSONL / a `datasets` name / the synthetic generator, tokenized and
+packed into fixed-length rows.
+
+A packed row holds several documents; `position_ids` restart at 0 at each document start, which is how
+both the "moba" attention (`integration.layout.sequence_spans`) and transformers' own masks (sdpa) tell
+documents apart, so no token attends across a document boundary:
+
+    input_ids     | a0 a1 a2 a3 | b0 b1 b2 | c0 c1 | pad pad |
+    position_ids  |  0  1  2  3 |  0  1  2 |  0  1 |  0   1  |
+    labels        |  -  a1 a2 a3|  -  b1 b2|  -  c1|  -   -  |   (- = -100: no loss)
+
+The first token of each document gets no label, since it would be predicted from the previous document.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("moba_hf")
+
+IGNORE = -100
+
+
+@dataclasses.dataclass
+class Document:
+    """Token ids of one document and the ids it is trained on (`labels`, IGNORE = no loss)."""
+
+    input_ids: list[int]
+    labels: list[int]
+
+
+def read_texts(source: str, *, text_field: str = "text", split: str = "train", limit: int | None = None) -> list[str]:
+    """Documents from a .txt file (blank-line separated), a .jsonl file (`text_field`), or a `datasets` name."""
+    path = Path(source)
+    if path.suffix == ".txt" and path.is_file():
+        texts = [t.strip() for t in path.read_text().split("\n\n") if t.strip()]
+    elif path.suffix in (".jsonl", ".json") and path.is_file():
+        texts = []
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if text_field not in record:
+                raise ValueError(f"{path}:{n}: record has no text_field={text_field!r}; keys: {sorted(record)}")
+            texts.append(str(record[text_field]))
+    elif path.exists():
+        raise ValueError(f"data source {source} must be a .txt or .jsonl file (or a `datasets` name)")
+    else:
+        import datasets
+
+        dataset = datasets.load_dataset(source, split=split)
+        if text_field not in dataset.column_names:
+            raise ValueError(
+                f"dataset {source!r} has no column text_field={text_field!r}; columns: {dataset.column_names}"
+            )
+        texts = [str(t) for t in dataset[text_field]]
+    return texts[:limit] if limit is not None else texts
+
+
+def read_documents(
+    source: str, tokenizer: Any, *, text_field: str = "text", split: str = "train", limit: int | None = None
+) -> list[Document]:
+    """Documents from `source` (see `read_texts`); JSONL records may instead carry ready `input_ids`
+    (lists of token ids, e.g. for a model without a tokenizer)."""
+    path = Path(source)
+    if path.suffix in (".jsonl", ".json") and path.is_file():
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if records and all("input_ids" in r for r in records):
+            docs = [Document(list(r["input_ids"]), list(r.get("labels", r["input_ids"]))) for r in records]
+            return docs[:limit] if limit is not None else docs
+    if tokenizer is None:
+        raise ValueError(f"data source {source!r} holds text, so the model needs a tokenizer")
+    return tokenize_texts(tokenizer, read_texts(source, text_field=text_field, split=split, limit=limit))
+
+
+def tokenize_texts(tokenizer: Any, texts: Iterable[str]) -> list[Document]:
+    """Plain language-model documents: every token (but the first) is a target; EOS closes each document."""
+    eos = tokenizer.eos_token_id
+    docs = []
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        if eos is not None:
+            ids = ids + [eos]
+        docs.append(Document(ids, list(ids)))
+    return docs
+
+
+def pack(documents: Sequence[Document], seq_len: int, *, split_documents: bool = True, pad_id: int = 0) -> list[dict]:
+    """Pack documents into rows of `seq_len` tokens: dicts of input_ids / labels / position_ids (1-D tensors).
+
+    split_documents=True: documents are concatenated and the stream is cut every `seq_len` tokens (a document
+    cut at a row end continues, positions continuing, in the next row; no token is dropped).
+    split_documents=False: a document never straddles rows (longer ones are truncated to `seq_len`); a row is
+    closed when the next document does not fit, and its tail is padded.
+    """
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be >= 2, got {seq_len}")
+    rows: list[dict] = []
+    ids: list[int] = []
+    labels: list[int] = []
+    positions: list[int] = []
+
+    def close_row() -> None:
+        if not ids:
+            return
+        fill = seq_len - len(ids)
+        # padding is its own "document" (positions from 0) with no labels; being last, no real token sees it
+        rows.append(
+            {
+                "input_ids": torch.tensor(ids + [pad_id] * fill),
+                "labels": torch.tensor(labels + [IGNORE] * fill),
+                "position_ids": torch.tensor(positions + list(range(fill))),
+            }
+        )
+        ids.clear()
+        labels.clear()
+        positions.clear()
+
+    truncated = 0
+    for doc in documents:
+        doc_ids, doc_labels = list(doc.input_ids), list(doc.labels)
+        if len(doc_ids) != len(doc_labels):
+            raise ValueError(f"a document has {len(doc_ids)} input_ids but {len(doc_labels)} labels")
+        if not doc_ids:
+            continue
+        doc_labels[0] = IGNORE
+        if not split_documents:
+            if len(doc_ids) > seq_len:
+                truncated += 1
+                doc_ids, doc_labels = doc_ids[:seq_len], doc_labels[:seq_len]
+            if len(ids) + len(doc_ids) > seq_len:
+                close_row()
+            ids.extend(doc_ids)
+            labels.extend(doc_labels)
+            positions.extend(range(len(doc_ids)))
+            continue
+        start = 0
+        while start < len(doc_ids):
+            take = min(seq_len - len(ids), len(doc_ids) - start)
+            ids.extend(doc_ids[start : start + take])
+            labels.extend(doc_labels[start : start + take])
+            positions.extend(range(start, start + take))
+            start += take
+            if len(ids) == seq_len:
+                close_row()
+    close_row()
+    if truncated:
+        logger.warning("moba_hf: truncated %d documents longer than seq_len=%d", truncated, seq_len)
+    return rows
+
+
+class PackedDataset(torch.utils.data.Dataset):
+    """The packed rows, as the HF Trainer reads them."""
+
+    def __init__(self, rows: list[dict]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.rows[index]
+
+
+def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """Stack rows; no attention_mask: documents are separated by `position_ids` (see the module docstring)."""
+    return {key: torch.stack([row[key] for row in rows]) for key in ("input_ids", "labels", "position_ids")}

@@ -1,0 +1,249 @@
+"""Every MoBA backend against the reference: forward and gradients, awkward shapes, gate options, bad input."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moba_hf.kernels import moba_attention, moba_attention_reference, resolve_backend, torch_impl
+from moba_hf.kernels.torch_impl import moba_attention_torch
+
+BACKEND_MODULES = {
+    "torch": ("moba_hf.kernels.torch_impl", "moba_attention_torch"),
+    "flex": ("moba_hf.kernels.flex", "moba_attention_flex"),
+}
+NOT_IMPLEMENTED = ("triton", "flash")
+
+# (B, Hq, Hkv, Nq, Nk, D, block_size, top_k)
+SHAPES = [
+    (2, 4, 2, 63, 63, 16, 16, 3),  # odd length, GQA, batch > 1, partial last block
+    (1, 8, 2, 111, 111, 60, 16, 3),  # T=111, D=60
+    (1, 4, 1, 40, 111, 16, 20, 2),  # chunked prefill Nq < Nk, MQA, first query block cut
+    (2, 2, 2, 1, 50, 8, 16, 3),  # decode Nq = 1
+    (2, 6, 3, 30, 77, 12, 10, 1),  # top_k = 1: own block only
+    (1, 3, 3, 50, 50, 8, 7, 100),  # top_k >= blocks: plain causal
+    (1, 2, 1, 33, 33, 8, 64, 3),  # block_size >= Nk
+    (1, 2, 1, 300, 300, 8, 8, 4),  # many blocks
+]
+GATES = [
+    {},
+    {"pooling": "max", "sink_blocks": 1},
+    {"pooling": "mean+max", "local_blocks": 1},
+]
+
+
+def _id(shape) -> str:
+    b, hq, hkv, nq, nk, d, bs, k = shape
+    return f"B{b}-T{nk}-Q{nq}-H{hkv}-HQ{hq}-D{d}-blk{bs}-k{k}"
+
+
+def _gate_id(gate: dict) -> str:
+    return "-".join(f"{k}={v}" for k, v in gate.items()) or "mean"
+
+
+def _inputs(shape, dtype=torch.float64, requires_grad=True):
+    b, hq, hkv, nq, nk, d, _, _ = shape
+    q = torch.randn(b, hq, nq, d, dtype=dtype)
+    k = torch.randn(b, hkv, nk, d, dtype=dtype)
+    v = torch.randn(b, hkv, nk, d, dtype=dtype)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+def _fwd_bwd(fn, q, k, v, grad, **kw):
+    out = fn(q, k, v, **kw)
+    return (out, *torch.autograd.grad(out, (q, k, v), grad))
+
+
+def _assert_matches_reference(fn, shape, gate, dtype=torch.float64, atol=1e-10, rtol=1e-10):
+    q, k, v = _inputs(shape, dtype)
+    kw = {"block_size": shape[6], "top_k": shape[7], **gate}
+    grad = torch.randn(q.shape, dtype=dtype)
+    expected = _fwd_bwd(moba_attention_reference, q, k, v, grad, **kw)
+    actual = _fwd_bwd(fn, q, k, v, grad, **kw)
+    for name, e, a in zip(("out", "dq", "dk", "dv"), expected, actual, strict=True):
+        assert a.dtype == e.dtype and a.shape == e.shape, name
+        torch.testing.assert_close(a, e, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.fixture(autouse=True)
+def _nan_filled_outputs(monkeypatch):
+    """Uninitialised output buffers start as NaN, so a row the kernel forgets to write cannot pass."""
+    monkeypatch.setattr(
+        torch_impl, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
+    )
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "matmul"])
+@pytest.mark.parametrize("gate", GATES, ids=_gate_id)
+@pytest.mark.parametrize("shape", SHAPES, ids=_id)
+def test_torch_matches_reference_float64(shape, gate, fused, monkeypatch):
+    monkeypatch.setattr(torch_impl, "use_fused", fused)
+    _assert_matches_reference(moba_attention_torch, shape, gate)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=_id)
+def test_torch_matches_reference_float32(shape):
+    _assert_matches_reference(moba_attention_torch, shape, {}, dtype=torch.float32, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 2, 97, 97, 8, 8, 4), (1, 4, 1, 61, 130, 8, 8, 3)], ids=_id)
+def test_torch_tiny_chunks(shape, monkeypatch):
+    """Tiny chunk / batch / gate-slice sizes: padding rows, many fused calls and many gate slices."""
+    monkeypatch.setattr(torch_impl, "_CHUNK", 4)
+    monkeypatch.setattr(torch_impl, "_BATCH_ROWS", 12)
+    monkeypatch.setattr(torch_impl, "_GATE_ELEMENTS", 400)
+    _assert_matches_reference(moba_attention_torch, shape, {"sink_blocks": 1})
+
+
+def test_torch_non_contiguous_inputs():
+    """Transformers hands over q/k/v as transposed views of [B, N, H, D]."""
+    q = torch.randn(2, 70, 4, 8, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    k = torch.randn(2, 70, 2, 8, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    v = torch.randn(2, 70, 2, 8, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    grad = torch.randn(2, 4, 70, 8, dtype=torch.float64)
+    kw = {"block_size": 16, "top_k": 3}
+    expected = _fwd_bwd(moba_attention_reference, q, k, v, grad, **kw)
+    actual = _fwd_bwd(moba_attention_torch, q, k, v, grad, **kw)
+    for e, a in zip(expected, actual, strict=True):
+        torch.testing.assert_close(a, e, atol=1e-10, rtol=1e-10)
+
+
+def test_torch_bfloat16_within_twice_torch_error():
+    """flash-attention's rule: error vs an fp32 reference at most 2x that of a same-dtype PyTorch computation."""
+    shape = (1, 4, 2, 200, 200, 32, 32, 3)
+    q, k, v = _inputs(shape, torch.float32, requires_grad=False)
+    kw = {"block_size": 32, "top_k": 3}
+    exact = moba_attention_reference(q, k, v, **kw)
+    qb, kb, vb = (t.bfloat16() for t in (q, k, v))
+    # same-dtype PyTorch computation: the reference's attention on bf16 inputs, rounded to bf16
+    baseline = (moba_attention_reference(qb.float(), kb.float(), vb.float(), **kw).bfloat16().float() - exact).abs()
+    fast = moba_attention_torch(qb, kb, vb, **kw)
+    assert fast.dtype == torch.bfloat16
+    assert (fast.float() - exact).abs().max() <= 2 * baseline.max() + 1e-6
+
+
+def test_all_blocks_equals_causal_sdpa():
+    q, k, v = _inputs((2, 6, 2, 90, 90, 16, 8, 64), requires_grad=False)
+    out = moba_attention_torch(q, k, v, block_size=8, top_k=64)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
+
+
+def test_own_block_only_is_block_diagonal():
+    q, k, v = _inputs((1, 2, 2, 48, 48, 8, 16, 1), requires_grad=False)
+    out = moba_attention_torch(q, k, v, block_size=16, top_k=1)
+    for c in range(3):
+        sl = slice(16 * c, 16 * (c + 1))
+        expected = F.scaled_dot_product_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl], is_causal=True)
+        torch.testing.assert_close(out[:, :, sl], expected, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("name", sorted(BACKEND_MODULES))
+def test_backend_signature_equals_reference(name):
+    module, func = BACKEND_MODULES[name]
+    fn = getattr(importlib.import_module(module), func)
+    assert inspect.signature(fn) == inspect.signature(moba_attention_reference)
+
+
+@pytest.mark.parametrize("name", NOT_IMPLEMENTED, ids=lambda n: f"{n}_missing")
+def test_missing_backend_falls_back_with_one_log_line(name, caplog):
+    q, k, v = _inputs((1, 2, 1, 40, 40, 8, 16, 3), requires_grad=False)
+    with caplog.at_level("WARNING", logger="moba_hf"):
+        out = moba_attention(q, k, v, block_size=16, top_k=3, backend=name)
+        moba_attention(q, k, v, block_size=16, top_k=3, backend=name)
+    torch.testing.assert_close(out, moba_attention_reference(q, k, v, block_size=16, top_k=3))
+    assert resolve_backend(name, q) == "torch"
+    assert len([r for r in caplog.records if name in r.getMessage()]) <= 1
+
+
+def _flex_mask_dense(q, k, **kw):
+    from moba_hf.kernels import flex
+
+    nq, nk = q.shape[2], k.shape[2]
+    picks, _ = flex._selection(
+        q,
+        k,
+        kw["block_size"],
+        kw["top_k"],
+        kw.get("pooling", "mean"),
+        kw.get("sink_blocks", 0),
+        kw.get("local_blocks", 0),
+    )
+    mod = flex._mask_mod(picks, kw["block_size"], nk - nq, kw["top_k"])
+    b = torch.arange(q.shape[0])[:, None, None, None]
+    h = torch.arange(q.shape[1])[None, :, None, None]
+    return mod(b, h, torch.arange(nq)[None, None, :, None], torch.arange(nk)[None, None, None, :])
+
+
+@pytest.mark.parametrize("gate", GATES, ids=_gate_id)
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], SHAPES[3], SHAPES[7]], ids=_id)
+def test_flex_mask_equals_reference_selection(shape, gate):
+    """The per-token mask_mod and the tile-level BlockMask agree with the shared selection (no compile needed)."""
+    from moba_hf.kernels.common import selected_blocks
+    from moba_hf.kernels.flex import moba_block_mask
+
+    q, k, _ = _inputs(shape, requires_grad=False)
+    kw = {"block_size": shape[6], "top_k": shape[7], **gate}
+    nq, nk, bs = q.shape[2], k.shape[2], shape[6]
+    sel = selected_blocks(q, k, **kw)
+    key_pos, q_pos = torch.arange(nk), torch.arange(nk - nq, nk)
+    expected = sel[..., key_pos // bs] & (key_pos[None, :] <= q_pos[:, None])
+    assert torch.equal(_flex_mask_dense(q, k, **kw), expected)
+    mask = moba_block_mask(q, k, **kw)
+    tiles = mask.to_dense().bool()  # [B, H, q tiles, kv tiles]: every allowed pair must lie in a visited tile
+    qt, kt = mask.BLOCK_SIZE
+    visited = tiles[..., torch.arange(nq) // qt, :][..., torch.arange(nk) // kt]
+    assert not (expected & ~visited).any()
+
+
+def test_flex_cpu_gradients_use_torch_backend():
+    from moba_hf.kernels.flex import moba_attention_flex
+
+    _assert_matches_reference(moba_attention_flex, SHAPES[0], {})
+
+
+@pytest.mark.slow
+def test_flex_forward_matches_reference_cpu_compiled():
+    """One tiny compiled case (the first CPU compile takes minutes)."""
+    from moba_hf.kernels.flex import moba_attention_flex
+
+    q, k, v = _inputs((2, 4, 2, 63, 63, 16, 16, 3), torch.float32, requires_grad=False)
+    out = moba_attention_flex(q, k, v, block_size=16, top_k=3)
+    torch.testing.assert_close(out, moba_attention_reference(q, k, v, block_size=16, top_k=3), atol=2e-5, rtol=2e-5)
+
+
+def test_moba_attention_dispatch_and_auto_on_cpu():
+    q, k, v = _inputs((1, 2, 1, 40, 40, 8, 16, 3), requires_grad=False)
+    assert resolve_backend("auto", q) == "torch"
+    expected = moba_attention_reference(q, k, v, block_size=16, top_k=3)
+    torch.testing.assert_close(moba_attention(q, k, v, block_size=16, top_k=3, backend="torch"), expected)
+    torch.testing.assert_close(moba_attention(q, k, v, block_size=16, top_k=3), expected)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"block_size": 0, "top_k": 3}, "block_size"),
+        ({"block_size": 16, "top_k": 0}, "top_k"),
+        ({"block_size": 16, "top_k": 3, "pooling": "min"}, "pooling"),
+        ({"block_size": 16, "top_k": 3, "sink_blocks": -1}, "sink_blocks"),
+        ({"block_size": 16, "top_k": 3, "local_blocks": 1.5}, "local_blocks"),
+    ],
+)
+def test_torch_bad_arguments(kwargs, match):
+    q, k, v = _inputs((1, 2, 1, 8, 8, 4, 4, 2), requires_grad=False)
+    with pytest.raises(ValueError, match=match):
+        moba_attention_torch(q, k, v, **kwargs)
+
+
+def test_torch_bad_shapes():
+    q = torch.randn(1, 3, 8, 4)
+    k = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match="multiple"):
+        moba_attention_torch(q, k, k, block_size=4, top_k=2)
+    with pytest.raises(ValueError, match="Nq"):
+        moba_attention_torch(torch.randn(1, 2, 9, 4), k, k, block_size=4, top_k=2)

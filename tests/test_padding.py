@@ -1,0 +1,137 @@
+"""Padding, batching and packing: each sequence is laid out in blocks from its own real tokens."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import moba_hf
+from moba_hf import MobaConfig
+from moba_hf.integration import cache as moba_cache
+from moba_hf.integration.layout import document_ids, sequence_spans
+
+TINY = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    pad_token_id=0,
+)
+LENGTHS = (13, 6, 10)  # blocks of 4: partial last blocks, different pad widths
+
+
+def tiny_model(moba):
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY), attn_implementation="sdpa", dtype=torch.float64)
+    return moba_hf.apply(model.eval(), moba)
+
+
+def sequences():
+    return [torch.randint(1, 97, (n,)) for n in LENGTHS]
+
+
+def pad_batch(seqs, side):
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    for row, s in enumerate(seqs):
+        cols = slice(width - len(s), width) if side == "left" else slice(0, len(s))
+        ids[row, cols], mask[row, cols] = s, 1
+    return ids, mask
+
+
+# --- layout -------------------------------------------------------------------------------------------------------
+def test_document_ids_split_where_positions_restart():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    assert document_ids(pos).tolist() == [[0, 0, 0, 1, 1, 2, 2, 2, 2]]
+
+
+def test_sequence_spans_left_right_and_packed():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool)
+    spans = sequence_spans(mask, None, 2, 5, 5)
+    assert [(r, k.tolist()) for r, k in spans] == [(0, [2, 3, 4]), (1, [0, 1, 2])]
+    # generate's left-padding position ids (pads get 1) are not mistaken for packing
+    pos = torch.tensor([[1, 1, 0, 1, 2], [0, 1, 2, 1, 1]])
+    assert [(r, k.tolist()) for r, k in sequence_spans(mask, pos, 2, 5, 5)] == [(0, [2, 3, 4]), (1, [0, 1, 2])]
+    packed = torch.tensor([[0, 1, 2, 0, 1, 0]])
+    assert [k.tolist() for _, k in sequence_spans(None, packed, 1, 6, 6)] == [[0, 1, 2], [3, 4], [5]]
+    assert sequence_spans(None, torch.arange(6)[None], 1, 6, 6) is None
+    assert sequence_spans(None, None, 3, 1, 9) is None
+
+
+# --- batched generation --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("decode", ["moba", "full"])
+def test_left_padded_batched_generate_equals_per_sequence(decode, monkeypatch):
+    model = tiny_model(MobaConfig(block_size=4, top_k=2, decode=decode))
+    decodes = []
+    real_decode = moba_cache.moba_decode
+    monkeypatch.setattr(moba_cache, "moba_decode", lambda *a, **k: decodes.append(1) or real_decode(*a, **k))
+    seqs = sequences()
+    gen = dict(max_new_tokens=9, min_new_tokens=9, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    ids, mask = pad_batch(seqs, "left")
+    batched = model.generate(ids, attention_mask=mask, **gen)
+    assert (len(decodes) > 0) == (decode == "moba")
+    for row, s in enumerate(seqs):
+        alone = model.generate(s[None], **gen)
+        assert torch.equal(batched.sequences[row, -9:], alone.sequences[0, -9:])
+        for step_batched, step_alone in zip(batched.scores, alone.scores, strict=True):
+            torch.testing.assert_close(step_batched[row], step_alone[0], rtol=1e-10, atol=1e-10)
+
+
+def test_pad_keys_never_reach_the_output():
+    model = tiny_model(MobaConfig(block_size=4, top_k=2))
+    ids, mask = pad_batch(sequences(), "left")
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+        ids[mask == 0] = torch.randint(1, 97, (int((mask == 0).sum()),))  # change what sits under the pads
+        got = model(ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], rtol=0, atol=0)
+
+
+# --- packing ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_packed_rows_equal_separate_sequences(use_cache):
+    model = tiny_model(MobaConfig(block_size=4, top_k=2))
+    seqs = sequences()
+    # two packed rows, as DataCollatorWithFlattening makes them (no attention_mask)
+    rows = [seqs, [seqs[2], seqs[0], seqs[1]]]
+    ids = torch.stack([torch.cat(r) for r in rows])
+    position_ids = torch.stack([torch.cat([torch.arange(len(s)) for s in r]) for r in rows])
+    with torch.no_grad():
+        packed = model(ids, position_ids=position_ids, use_cache=use_cache).logits
+        for row, r in enumerate(rows):
+            start = 0
+            for s in r:
+                alone = model(s[None]).logits[0]
+                torch.testing.assert_close(packed[row, start : start + len(s)], alone, rtol=1e-10, atol=1e-10)
+                start += len(s)
+
+
+# --- right padding in training ----------------------------------------------------------------------------------------
+def test_right_padded_training_batch_loss_and_grads_equal_per_sequence():
+    model = tiny_model(MobaConfig(block_size=4, top_k=2)).train()
+    seqs = sequences()
+    ids, mask = pad_batch(seqs, "right")
+    labels = ids.masked_fill(mask == 0, -100)
+    out = model(ids, attention_mask=mask, labels=labels)
+    # transformers computes the loss in float32; the gradient check below stays in float64
+    shifted = labels[:, 1:]
+    loss = F.cross_entropy(out.logits[:, :-1][shifted != -100], shifted[shifted != -100])
+    torch.testing.assert_close(out.loss, loss.float(), rtol=1e-6, atol=1e-6)
+    loss.backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    # the same loss from separate forwards: the mean over every predicted real token of the batch
+    token_losses = []
+    for s in seqs:
+        logits = model(s[None]).logits[0, :-1]
+        token_losses.append(F.cross_entropy(logits, s[1:], reduction="none"))
+    want = torch.cat(token_losses).mean()
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-9, atol=1e-12, msg=name)
