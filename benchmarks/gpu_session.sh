@@ -31,8 +31,9 @@ phase2)
     timeout 200 python3 examples/dca_passkey.py --device cuda --settings dense moba --json "$OUT/dca_passkey.json" \
         2>&1 | tee "$OUT/dca_passkey.log"
     timeout 200 python3 -m moba_hf.cli eval sweep --device cuda --trials 20 --out "$OUT/sweep" 2>&1 | tail -40
-    timeout 120 python3 -m moba_hf.train.experiment configs/train_gpu.toml --model "$(python3 -c \
-        'from moba_hf.models import local_path; print(local_path())')" --lengths 4096 --trials 20 2>&1 | tail -30
+    timeout 240 python3 -m moba_hf.train.experiment configs/train_gpu.toml --model "$MOBA_HF_CACHE/smollm2-135m-instruct" \
+        --lengths 4096 --trials 10 --before moba,full --after moba,full --output-dir /root/train_gpu \
+        --set train.max_steps=100 2>&1 | tail -30
     ;;
 *)
     echo "usage: bash benchmarks/gpu_session.sh phase1|phase2" >&2

@@ -1,7 +1,7 @@
 """moba_hf: MoBA (Mixture of Block Attention) for Hugging Face Llama / Qwen models.
 
-    import moba_hf
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="moba")
+import moba_hf
+model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="moba")
 """
 
 from . import dca

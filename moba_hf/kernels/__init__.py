@@ -77,8 +77,9 @@ def resolve_backend(backend: str, q: torch.Tensor) -> str:
             if _load(name) is not None and _applicable(name, q):
                 return name
         return "reference"
-    if _load(backend) is None:
-        reason = _unavailable.get(backend, "not implemented in this version")
+    if _load(backend) is None or not _applicable(backend, q, "can_run"):
+        # importable but unable to run this input at all (e.g. "triton" on CPU tensors) falls back the same way
+        reason = _unavailable.get(backend, f"does not run on {q.device.type} tensors")
         fallback = resolve_backend("auto", q)
         if backend not in _warned:
             _warned.add(backend)
@@ -87,9 +88,10 @@ def resolve_backend(backend: str, q: torch.Tensor) -> str:
     return backend
 
 
-def _applicable(name: str, q: torch.Tensor) -> bool:
-    fn = _loaded[name]
-    check = getattr(fn, "supports", None)  # optional per-backend predicate: supports(q) -> bool
+def _applicable(name: str, q: torch.Tensor, predicate: str = "supports") -> bool:
+    # optional per-backend predicates (q) -> bool: `supports` says whether "auto" may pick it, `can_run` whether
+    # an explicit request can run at all ("flex" does not support CPU for "auto" but can run there when asked)
+    check = getattr(_loaded[name], predicate, None)
     return check is None or bool(check(q))
 
 

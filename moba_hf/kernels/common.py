@@ -13,6 +13,8 @@ All backends select blocks through `selected_blocks`, so they agree on every tie
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -142,6 +144,41 @@ def selected_blocks(
             picked.scatter_(-1, top.indices, top.values > float("-inf"))
             selected = selected | picked
     return selected
+
+
+def selection_slices(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    block_size: int,
+    top_k: int,
+    pooling: str,
+    sink_blocks: int,
+    local_blocks: int,
+    slice_rows: int,
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """`selected_blocks` over query slices of `slice_rows` (bounds the gate scores held at once).
+
+    Yields (index of the slice's first query, selected [B, Hq, n, n_blocks], earlier = selected minus the own
+    block). Fast backends treat the own block (causal) apart from the gated earlier blocks.
+    """
+    nq, nk = q.shape[2], k.shape[2]
+    start = nk - nq
+    blk = torch.arange(num_blocks(nk, block_size), device=q.device)
+    for a in range(0, nq, slice_rows):
+        n = min(slice_rows, nq - a)
+        selected = selected_blocks(
+            q[:, :, a : a + n],
+            k,
+            block_size=block_size,
+            top_k=top_k,
+            pooling=pooling,
+            sink_blocks=sink_blocks,
+            local_blocks=local_blocks,
+            q_start=start + a,
+        )
+        own = ((torch.arange(n, device=q.device) + start + a) // block_size)[:, None] == blk
+        yield a, selected, selected & ~own
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:

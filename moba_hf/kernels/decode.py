@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import POOLINGS, gate_dtype, selected_blocks
+from .common import check_moba_args, gate_dtype, selected_blocks
 
 
 def check_decode_args(
@@ -31,26 +31,13 @@ def check_decode_args(
     local_blocks: int,
     starts: torch.Tensor | None,
 ) -> None:
-    for name, value, low in (
-        ("block_size", block_size, 1),
-        ("top_k", top_k, 1),
-        ("sink_blocks", sink_blocks, 0),
-        ("local_blocks", local_blocks, 0),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    if pooling not in POOLINGS:
-        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
-    for name, t in (("q", q), ("k", k), ("v", v), ("block_keys", block_keys)):
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D, got shape {tuple(t.shape)}")
+    check_moba_args(
+        q, k, v, block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
+    )
+    if block_keys.dim() != 4:
+        raise ValueError(f"block_keys must be 4-D, got shape {tuple(block_keys.shape)}")
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
-    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or hkv == 0 or hq % hkv:
-        raise ValueError(
-            f"need k, v of one shape [B, Hkv, Nk, D] with Hq % Hkv == 0; got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
     width = 2 * d if pooling == "mean+max" else d
     if block_keys.shape[:2] != (b, hkv) or block_keys.shape[3] != width:
         raise ValueError(

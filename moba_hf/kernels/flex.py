@@ -16,7 +16,7 @@ import logging
 
 import torch
 
-from .common import check_moba_args, num_blocks, selected_blocks
+from .common import check_moba_args, num_blocks, selection_slices
 from .torch_impl import moba_attention_torch
 
 logger = logging.getLogger("moba_hf")
@@ -50,7 +50,6 @@ def _selection(q, k, block_size, top_k, pooling, sink_blocks, local_blocks):
     b, hq, nq, _ = q.shape
     nk = k.shape[2]
     nb = num_blocks(nk, block_size)
-    start = nk - nq
     kv_tile = _kv_tile(block_size)
     n_kvt = -(-nk // kv_tile)
     slots = max(1, min(nb, top_k - 1 + sink_blocks + local_blocks))
@@ -62,22 +61,9 @@ def _selection(q, k, block_size, top_k, pooling, sink_blocks, local_blocks):
     )
     picks, tiles = [], []
     per = max(_Q_TILE, _GATE_ELEMENTS // (b * hq * nb) // _Q_TILE * _Q_TILE)
-    for a in range(0, nq, per):
-        n = min(per, nq - a)
-        sel = selected_blocks(
-            q[:, :, a : a + n],
-            k,
-            block_size=block_size,
-            top_k=top_k,
-            pooling=pooling,
-            sink_blocks=sink_blocks,
-            local_blocks=local_blocks,
-            q_start=start + a,
-        )
-        own = ((torch.arange(n, device=q.device) + start + a) // block_size)[:, None] == torch.arange(
-            nb, device=q.device
-        )
-        earlier = sel & ~own
+    gate = dict(pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks)
+    for _, sel, earlier in selection_slices(q, k, block_size=block_size, top_k=top_k, slice_rows=per, **gate):
+        n = sel.shape[2]
         # the selected block ids first (descending key), -1 where fewer than `slots` were picked
         key = torch.where(earlier, torch.arange(nb, device=q.device, dtype=torch.int32), -1)
         picks.append(key.topk(slots, dim=-1).values)

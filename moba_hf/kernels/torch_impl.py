@@ -21,7 +21,7 @@ import threading
 
 import torch
 
-from .common import check_moba_args, gate_dtype, num_blocks, selected_blocks
+from .common import check_moba_args, gate_dtype, num_blocks, selection_slices
 
 # working-set bounds: small enough to keep memory ~ N * top_k * block_size, big enough for efficient kernels
 _CHUNK = 256  # gated rows per fused-batch entry (a group's last chunk is padded)
@@ -177,20 +177,9 @@ class _Plan:
         per = max(
             1, _GATE_ELEMENTS * (1 if dev.type == "cpu" else _GPU_SCALE) // (b * hq * nb)
         )  # bounds the gate scores held at once
-        for a in range(0, nq, per):
-            n = min(per, nq - a)
-            sel = selected_blocks(
-                q[:, :, a : a + n],
-                k,
-                block_size=bs,
-                top_k=top_k,
-                pooling=pooling,
-                sink_blocks=sink_blocks,
-                local_blocks=local_blocks,
-                q_start=start + a,
-            )
-            own = ((torch.arange(n, device=dev) + start + a) // bs)[:, None] == torch.arange(nb, device=dev)
-            ib, ih, iq, ij = (sel & ~own).nonzero().unbind(1)  # sorted by row, then block
+        gate = dict(pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks)
+        for a, _, earlier in selection_slices(q, k, block_size=bs, top_k=top_k, slice_rows=per, **gate):
+            ib, ih, iq, ij = earlier.nonzero().unbind(1)  # sorted by row, then block
             rows.append((ib * hq + ih) * nq + iq + a)
             blocks.append((ib * hkv + ih // g) * nb + ij)
         rows, blocks = torch.cat(rows), torch.cat(blocks)

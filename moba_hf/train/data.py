@@ -41,7 +41,7 @@ def read_texts(source: str, *, text_field: str = "text", split: str = "train", l
     path = Path(source)
     if path.suffix == ".txt" and path.is_file():
         texts = [t.strip() for t in path.read_text().split("\n\n") if t.strip()]
-    elif path.suffix in (".jsonl", ".json") and path.is_file():
+    elif path.suffix == ".jsonl" and path.is_file():
         texts = []
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if not line.strip():
@@ -70,7 +70,7 @@ def read_documents(
     """Documents from `source` (see `read_texts`); JSONL records may instead carry ready `input_ids`
     (lists of token ids, e.g. for a model without a tokenizer)."""
     path = Path(source)
-    if path.suffix in (".jsonl", ".json") and path.is_file():
+    if path.suffix == ".jsonl" and path.is_file():
         records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         if records and all("input_ids" in r for r in records):
             docs = [Document(list(r["input_ids"]), list(r.get("labels", r["input_ids"]))) for r in records]
