@@ -76,3 +76,11 @@ def test_theoretical_sparsity_counts_pairs_exactly():
     assert cfg.theoretical_sparsity(8) == pytest.approx(1 - attended / 36)
     assert MobaConfig(block_size=512, top_k=100).theoretical_sparsity(4096) == 0.0
     assert 0.9 < MobaConfig(block_size=4096, top_k=12).theoretical_sparsity(1 << 20) < 0.92
+
+
+def test_training_free_preset_is_the_swept_setting():
+    preset = MobaConfig.from_file(CONFIG_DIR / "training_free.toml")
+    assert preset == MobaConfig(block_size=64, top_k=12, full_attn_layers=3, sink_blocks=1, local_blocks=1)
+    from moba_hf.eval.sweep import DEFAULT_GRID
+
+    assert preset in {cfg for _, cfg in DEFAULT_GRID}
