@@ -139,10 +139,7 @@ def niah_eval(
             "got": output.strip(),
             "correct": score_answer(expected, output),
             "prompt_tokens": ids.shape[1],
-            "prefill_seconds": decoded.prefill_seconds,
-            "decode_seconds": decoded.decode_seconds,
-            "sparsity": decoded.sparsity,
-            "sparsity_per_layer": decoded.sparsity_per_layer,
+            **decoded.measurements(),
         }
 
     cells = [{"length": n, "depth": d, "trial": i} for n in lengths for d in depths for i in range(trials)]

@@ -162,10 +162,7 @@ def passkey_eval(
             "correct": correct,
             "output": text,
             "prompt_tokens": ids.shape[1],
-            "prefill_seconds": decoded.prefill_seconds,
-            "decode_seconds": decoded.decode_seconds,
-            "sparsity": decoded.sparsity,
-            "sparsity_per_layer": decoded.sparsity_per_layer,
+            **decoded.measurements(),
         }
 
     cells = [{"length": n, "depth": d, "trial": i} for n in lengths for d in depths for i in range(trials)]

@@ -86,6 +86,15 @@ class Decoded:
     sparsity: float | None  # fraction of causal query-key pairs the prefill skipped (None: not tracked)
     sparsity_per_layer: dict[int, float]
 
+    def measurements(self) -> dict[str, Any]:
+        """The timing and sparsity fields every trial record carries."""
+        return {
+            "prefill_seconds": self.prefill_seconds,
+            "decode_seconds": self.decode_seconds,
+            "sparsity": self.sparsity,
+            "sparsity_per_layer": self.sparsity_per_layer,
+        }
+
 
 @torch.no_grad()
 def greedy_decode(
