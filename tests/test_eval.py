@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from moba_hf.config import MobaConfig
 from moba_hf.eval import cli as eval_cli
@@ -23,40 +23,7 @@ from moba_hf.eval.settings import (
 )
 from moba_hf.eval.texts import generated_text, load_texts
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny models are dominated by thread hand-offs, which crawl on a shared machine
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from moba_hf.models import local_path
-
-    try:
-        path = local_path("smollm2")
-    except FileNotFoundError as error:
-        pytest.skip(f"embedded tokenizer unavailable: {error}")
-    return AutoTokenizer.from_pretrained(path)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tokenizer, tmp_path_factory):
-    """A saved tiny random Llama with the embedded tokenizer: a local checkpoint for the CLI and lm-eval."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    path = tmp_path_factory.mktemp("tiny_llama")
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -4,43 +4,21 @@ import importlib.util
 import json
 
 import pytest
-import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from moba_hf.config import MobaConfig
 from moba_hf.eval.harness import TASKS_DIR, _moba_from_args, run_lm_eval, write_task_data
 from moba_hf.integration import track_sparsity
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 pytest.importorskip("lm_eval")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from moba_hf.models import local_path
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(local_path("smollm2"))
-    except FileNotFoundError as error:
-        pytest.skip(f"embedded tokenizer unavailable: {error}")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    path = tmp_path_factory.mktemp("tiny_llama")
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    write_task_data(tokenizer, path / "data", lengths=[64, 96], depths=[0.0, 1.0])
-    return path
+def task_dir(tiny_dir, tokenizer):
+    """The tiny checkpoint with small passkey / NIAH task data next to it."""
+    write_task_data(tokenizer, tiny_dir / "data", lengths=[64, 96], depths=[0.0, 1.0])
+    return tiny_dir
 
 
 def _load_utils():
@@ -76,10 +54,10 @@ def _results(out) -> dict:
     return json.loads(files[-1].read_text())["results"]
 
 
-def test_lm_eval_hf_moba_runs_our_tasks(tiny_dir, tmp_path):
-    data = tiny_dir / "data"
+def test_lm_eval_hf_moba_runs_our_tasks(task_dir, tmp_path):
+    data = task_dir / "data"
     metadata = {"passkey_jsonl": str(data / "passkey.jsonl"), "niah_jsonl": str(data / "niah.jsonl")}
-    model_args = f"pretrained={tiny_dir},dtype=float32,moba_block_size=16,moba_top_k=1"
+    model_args = f"pretrained={task_dir},dtype=float32,moba_block_size=16,moba_top_k=1"
     with track_sparsity() as stats:
         code = run_lm_eval(["--model", "hf-moba", "--model_args", model_args, "--tasks", "moba_passkey,moba_niah",
                             "--metadata", json.dumps(metadata), "--device", "cpu", "--limit", "2",
@@ -92,10 +70,10 @@ def test_lm_eval_hf_moba_runs_our_tasks(tiny_dir, tmp_path):
     assert stats.overall > 0.5 and set(stats.per_layer()) == {0, 1}
 
 
-def test_lm_eval_plain_hf_with_attn_implementation_moba(tiny_dir, tmp_path):
-    metadata = {"passkey_jsonl": str(tiny_dir / "data" / "passkey.jsonl")}
+def test_lm_eval_plain_hf_with_attn_implementation_moba(task_dir, tmp_path):
+    metadata = {"passkey_jsonl": str(task_dir / "data" / "passkey.jsonl")}
     with track_sparsity() as stats:
-        code = run_lm_eval(["--model", "hf", "--model_args", f"pretrained={tiny_dir},attn_implementation=moba",
+        code = run_lm_eval(["--model", "hf", "--model_args", f"pretrained={task_dir},attn_implementation=moba",
                             "--tasks", "moba_passkey", "--metadata", json.dumps(metadata), "--device", "cpu",
                             "--limit", "1", "--output_path", str(tmp_path / "out")])  # fmt: skip
     assert code == 0

@@ -4,18 +4,11 @@ import json
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from moba_hf import MobaConfig
 from moba_hf.eval import sweep
 from moba_hf.eval.passkey import passkey_line
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from moba_hf.models import local_path
-
-    return AutoTokenizer.from_pretrained(local_path("smollm2"))
 
 
 @pytest.fixture(scope="module")

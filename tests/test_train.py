@@ -12,14 +12,7 @@ from moba_hf.kernels import BACKENDS, backend_available
 from moba_hf.train import Document, PackedDataset, TrainConfig, pack, train
 from moba_hf.train.cli import load_config, parse_override
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one thread avoids oversubscription spin on a shared machine (measured 16x faster)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_model(seed=0, dtype=torch.float32):

@@ -13,14 +13,7 @@ from moba_hf.train import Document, collate, pack, read_documents
 from moba_hf.train.data import IGNORE
 from moba_hf.train.synthetic import TEMPLATES
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one thread avoids oversubscription spin on a shared machine (measured 16x faster)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def doc(*ids):

@@ -14,14 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from moba_hf.train.cli import load_config
 from moba_hf.train.trainer import train
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one thread avoids oversubscription spin on a shared machine (measured 16x faster)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.slow  # two fresh processes import torch + transformers

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.common import causal_attention, check_moba_args, gate_dtype, gate_scores, num_blocks
+from ..kernels.common import causal_attention, check_moba_args, choose_blocks, gate_dtype, gate_scores, num_blocks
 from .positions import INTER, query_positions, region
 from .rope import rotate
 
@@ -69,30 +69,25 @@ def dca_selected_blocks(
     nq, nk = variants[0].shape[2], k.shape[2]
     nb = num_blocks(nk, block_size)
     device = k.device
+
+    def scores() -> torch.Tensor:
+        # block b's score uses the query variant of b's region (own / previous / older chunk)
+        which = region(q_index[:, None], torch.arange(nb, device=device)[None, :] * block_size, chunk_size)
+        which = which.clamp(max=len(variants) - 1)  # regions without a variant hold no earlier block
+        per_variant = torch.stack([gate_scores(qv, k, block_size, pooling) for qv in variants])  # [V, B, Hq, Nq, nb]
+        return per_variant.gather(0, which.expand_as(per_variant[:1]))[0]
+
     with torch.no_grad():
         q_index = torch.arange(nk - nq, nk, device=device)
-        blk = torch.arange(nb, device=device)
-        current = q_index // block_size
-        earlier = blk[None, :] < current[:, None]  # [Nq, nb]
-        forced = blk[None, :] == current[:, None]
-        if sink_blocks:
-            forced = forced | (earlier & (blk[None, :] < sink_blocks))
-        if local_blocks:
-            forced = forced | (earlier & (blk[None, :] >= current[:, None] - local_blocks))
-        selected = forced.expand(variants[0].shape[0], variants[0].shape[1], nq, nb)
-        n_pick = min(top_k - 1, nb)
-        if n_pick <= 0:
-            return selected
-        which = region(q_index[:, None], blk[None, :] * block_size, chunk_size)  # [Nq, nb]
-        which = which.clamp(max=len(variants) - 1)  # regions without a variant hold no earlier block
-        scores = torch.stack([gate_scores(qv, k, block_size, pooling) for qv in variants])  # [V, B, Hq, Nq, nb]
-        scores = scores.gather(0, which.expand_as(scores[:1]))[0]
-        candidates = earlier & ~forced
-        scores = scores.masked_fill(~candidates, float("-inf"))
-        top = scores.topk(n_pick, dim=-1)
-        picked = torch.zeros_like(scores, dtype=torch.bool)
-        picked.scatter_(-1, top.indices, top.values > float("-inf"))
-        return selected | picked
+        return choose_blocks(
+            q_index // block_size,
+            nb,
+            scores,
+            batch_heads=(variants[0].shape[0], variants[0].shape[1]),
+            top_k=top_k,
+            sink_blocks=sink_blocks,
+            local_blocks=local_blocks,
+        )
 
 
 def _part(

@@ -13,7 +13,7 @@ All backends select blocks through `selected_blocks`, so they agree on every tie
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -123,27 +123,51 @@ def selected_blocks(
     """
     nq, nk = q.shape[2], k.shape[2]
     start = nk - nq if q_start is None else q_start
-    nb = num_blocks(nk, block_size)
     with torch.no_grad():
         current = (torch.arange(nq, device=q.device) + start) // block_size  # [Nq]
-        blk = torch.arange(nb, device=q.device)
-        earlier = blk[None, :] < current[:, None]  # [Nq, nb]
-        forced = blk[None, :] == current[:, None]
-        if sink_blocks:
-            forced = forced | (earlier & (blk[None, :] < sink_blocks))
-        if local_blocks:
-            forced = forced | (earlier & (blk[None, :] >= current[:, None] - local_blocks))
-        selected = forced.expand(q.shape[0], q.shape[1], nq, nb)
-        n_pick = min(top_k - 1, nb)
-        if n_pick > 0:
-            candidates = earlier & ~forced
-            scores = gate_scores(q, k, block_size, pooling)
-            scores = scores.masked_fill(~candidates, float("-inf"))
-            top = scores.topk(n_pick, dim=-1)
-            picked = torch.zeros_like(scores, dtype=torch.bool)
-            picked.scatter_(-1, top.indices, top.values > float("-inf"))
-            selected = selected | picked
-    return selected
+        return choose_blocks(
+            current,
+            num_blocks(nk, block_size),
+            lambda: gate_scores(q, k, block_size, pooling),
+            batch_heads=(q.shape[0], q.shape[1]),
+            top_k=top_k,
+            sink_blocks=sink_blocks,
+            local_blocks=local_blocks,
+        )
+
+
+def choose_blocks(
+    current: torch.Tensor,
+    n_blocks: int,
+    scores: Callable[[], torch.Tensor],
+    *,
+    batch_heads: tuple[int, int],
+    top_k: int,
+    sink_blocks: int,
+    local_blocks: int,
+) -> torch.Tensor:
+    """The MoBA selection rule, given each query's current block [Nq] and its gate scores.
+
+    `scores()` returns [B, Hq, Nq, n_blocks] and is called only when some block is gated (top_k > 1). Returns
+    bool [B, Hq, Nq, n_blocks]: the current block, forced sink / local blocks before it, and the top_k - 1
+    best-scoring other earlier blocks. Shared by plain MoBA and DCA (whose scores mix query variants).
+    """
+    blk = torch.arange(n_blocks, device=current.device)
+    earlier = blk[None, :] < current[:, None]  # [Nq, nb]
+    forced = blk[None, :] == current[:, None]
+    if sink_blocks:
+        forced = forced | (earlier & (blk[None, :] < sink_blocks))
+    if local_blocks:
+        forced = forced | (earlier & (blk[None, :] >= current[:, None] - local_blocks))
+    selected = forced.expand(*batch_heads, *forced.shape)
+    n_pick = min(top_k - 1, n_blocks)
+    if n_pick <= 0:
+        return selected
+    gated = scores().masked_fill(~(earlier & ~forced), float("-inf"))
+    top = gated.topk(n_pick, dim=-1)
+    picked = torch.zeros_like(gated, dtype=torch.bool)
+    picked.scatter_(-1, top.indices, top.values > float("-inf"))
+    return selected | picked
 
 
 def selection_slices(
