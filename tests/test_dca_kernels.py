@@ -134,6 +134,25 @@ def test_dense_dca_matches_remapped_reference(case):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["by-parts", "stacked"])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_dense_dca_inference_path_matches_remapped_reference(case, fused, monkeypatch):
+    # without gradients, dense DCA runs one attention call per part and merges by log-sum-exp
+    from moba_hf.kernels import torch_impl
+
+    monkeypatch.setattr(torch_impl, "use_fused", fused)
+    b, hq, hkv, nq, nk, d, c, s = case
+    inv_freq = inv_freq_for(d)
+    q_raw = torch.randn(b, hq, nq, d, dtype=torch.float64)
+    k_raw = torch.randn(b, hkv, nk, d, dtype=torch.float64)
+    v = torch.randn(b, hkv, nk, d, dtype=torch.float64)
+    want = reference_dca(q_raw, k_raw, v, c, s, inv_freq, 0.7)
+    q, k = dca_inputs(q_raw, k_raw, s, inv_freq)
+    with torch.no_grad():
+        got = dca_attention(q, k, v, pretraining_length=c, chunk_size=s, inv_freq=inv_freq, scale=0.7)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
 def test_small_tiles_give_the_same_result(monkeypatch):
     from moba_hf.dca import attention as dca_module
 

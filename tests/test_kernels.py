@@ -17,7 +17,7 @@ BACKEND_MODULES = {
     "torch": ("moba_hf.kernels.torch_impl", "moba_attention_torch"),
     "flex": ("moba_hf.kernels.flex", "moba_attention_flex"),
 }
-UNAVAILABLE_ON_CPU = ("triton", "flash")  # triton runs only on CUDA (or interpreted); flash is not built
+UNAVAILABLE_ON_CPU = ("triton", "flash")  # CUDA-only backends: triton needs GPU tensors, flash needs flash-attn + GPU
 
 # (B, Hq, Hkv, Nq, Nk, D, block_size, top_k)
 SHAPES = [
@@ -94,7 +94,8 @@ def test_torch_matches_reference_float32(shape):
 @pytest.mark.parametrize("shape", [(2, 4, 2, 97, 97, 8, 8, 4), (1, 4, 1, 61, 130, 8, 8, 3)], ids=_id)
 def test_torch_tiny_chunks(shape, monkeypatch):
     """Tiny chunk / batch / gate-slice sizes: padding rows, many fused calls and many gate slices."""
-    monkeypatch.setattr(torch_impl, "_CHUNK", 4)
+    monkeypatch.setattr(torch_impl, "_CHUNK_MIN", 4)
+    monkeypatch.setattr(torch_impl, "_CHUNK_MAX", 4)
     monkeypatch.setattr(torch_impl, "_BATCH_ROWS", 12)
     monkeypatch.setattr(torch_impl, "_GATE_ELEMENTS", 400)
     _assert_matches_reference(moba_attention_torch, shape, {"sink_blocks": 1})

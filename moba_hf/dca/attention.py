@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.common import causal_attention, check_moba_args, choose_blocks, gate_dtype, gate_scores, num_blocks
+from ..kernels.torch_impl import attention_with_lse, fused_available
 from .positions import INTER, query_positions, region
 from .rope import rotate
 
@@ -166,6 +167,9 @@ def dca_attention(
             sink_blocks=sink_blocks, local_blocks=local_blocks,
         )  # fmt: skip
     if block_size is None:
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        if fused_available(q) and not needs_grad:
+            return _dense_dca_by_parts(variants, k, v, s, scale).to(q.dtype)
         return _dense_dca(variants, k, v, s, scale).to(q.dtype)
     kf, vf = k.to(dtype), v.to(dtype)
     key_block = None if block_size is None else torch.arange(nk, device=k.device) // block_size
@@ -195,6 +199,40 @@ def dca_attention(
         outputs.append(_merge(parts).reshape(b, hq, t1 - t0, d))
         t0 = t1
     return torch.cat(outputs, dim=2).to(q.dtype)
+
+
+def _dense_dca_by_parts(
+    variants: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor, s: int, scale: float
+) -> torch.Tensor:
+    """Dense DCA for inference on CPU: per query chunk, one fused flash call per part, merged by log-sum-exp.
+
+    Each key pair is computed once (about the products of dense causal attention, a third of `_dense_dca`'s);
+    the fused CPU op returns the log-sum-exp but has no gradient for it, hence inference only.
+    """
+    q = variants[0]
+    nq, nk = q.shape[2], k.shape[2]
+    kf, vf = k.to(q.dtype), v.to(q.dtype)
+    first = nk - nq
+    out = torch.empty_like(q)
+    t0 = 0
+    while t0 < nq:
+        chunk = (first + t0) // s
+        t1 = min(nq, (chunk + 1) * s - first)
+        lo, hi = chunk * s, first + t1
+        # own chunk, causal: query t0 sits at key index first + t0 - lo of the part
+        o, lse = attention_with_lse(q[:, :, t0:t1], kf[:, :, lo:hi], vf[:, :, lo:hi], first + t0 - lo, scale)
+        for which, (a, b) in ((1, ((chunk - 1) * s, lo)), (2, (0, (chunk - 1) * s))):
+            if a < 0 or b <= a:
+                continue
+            o_part, lse_part = attention_with_lse(
+                variants[which][:, :, t0:t1], kf[:, :, a:b], vf[:, :, a:b], None, scale
+            )
+            merged = torch.logaddexp(lse, lse_part)
+            o = o * (lse - merged).exp()[..., None] + o_part * (lse_part - merged).exp()[..., None]
+            lse = merged
+        out[:, :, t0:t1] = o
+        t0 = t1
+    return out
 
 
 def _dense_dca(variants: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor, s: int, scale: float) -> torch.Tensor:

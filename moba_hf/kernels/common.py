@@ -88,14 +88,18 @@ def gate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def gate_scores(q: torch.Tensor, k: torch.Tensor, block_size: int, pooling: str = "mean") -> torch.Tensor:
+def gate_scores(
+    q: torch.Tensor, k: torch.Tensor, block_size: int, pooling: str = "mean", pooled: torch.Tensor | None = None
+) -> torch.Tensor:
     """Gate score of every (query, block) pair: [B, Hq, Nq, n_blocks], float32 (float64 for float64 input).
 
-    "mean+max" sums the two scores q.mean(K) + q.max(K).
+    "mean+max" sums the two scores q.mean(K) + q.max(K). `pooled`: `pooled_keys(k, block_size, pooling)` when the
+    caller already has it (query slices of one call share it).
     """
     b, hq, nq, d = q.shape
     hkv = k.shape[1]
-    pooled = pooled_keys(k, block_size, pooling)  # [B, Hkv, nb, D or 2D]
+    if pooled is None:
+        pooled = pooled_keys(k, block_size, pooling)  # [B, Hkv, nb, D or 2D]
     qf = q.to(pooled.dtype).reshape(b, hkv, hq // hkv, nq, d)
     if pooling == "mean+max":
         qf = torch.cat([qf, qf], dim=-1)
@@ -113,27 +117,35 @@ def selected_blocks(
     sink_blocks: int = 0,
     local_blocks: int = 0,
     q_start: int | None = None,
+    pooled: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Which blocks each query attends: bool [B, Hq, Nq, n_blocks].
 
     True for the query's current block, the forced sink / local blocks before it, and the `top_k - 1`
     earlier blocks with the highest gate score among the rest; never a future block.
     `q_start` is the absolute position of the first query (default: Nk - Nq, the last Nq keys); backends
-    that process queries in slices pass it so each slice selects exactly as the whole would.
+    that process queries in slices pass it so each slice selects exactly as the whole would, and `pooled`
+    (`pooled_keys` of k) so the keys are pooled once.
     """
     nq, nk = q.shape[2], k.shape[2]
     start = nk - nq if q_start is None else q_start
+    nb = num_blocks(nk, block_size)
     with torch.no_grad():
         current = (torch.arange(nq, device=q.device) + start) // block_size  # [Nq]
-        return choose_blocks(
+        # blocks after the last query's block are never chosen: score only up to it (halves a prefill's gate work)
+        seen = (start + nq - 1) // block_size + 1
+        if top_k > 1 and pooled is None:
+            pooled = pooled_keys(k[:, :, : seen * block_size], block_size, pooling)
+        chosen = choose_blocks(
             current,
-            num_blocks(nk, block_size),
-            lambda: gate_scores(q, k, block_size, pooling),
+            seen,
+            lambda: gate_scores(q, k, block_size, pooling, pooled[:, :, :seen]),
             batch_heads=(q.shape[0], q.shape[1]),
             top_k=top_k,
             sink_blocks=sink_blocks,
             local_blocks=local_blocks,
         )
+        return chosen if seen == nb else F.pad(chosen, (0, nb - seen))
 
 
 def choose_blocks(
@@ -189,6 +201,7 @@ def selection_slices(
     nq, nk = q.shape[2], k.shape[2]
     start = nk - nq
     blk = torch.arange(num_blocks(nk, block_size), device=q.device)
+    pooled = pooled_keys(k, block_size, pooling) if top_k > 1 else None
     for a in range(0, nq, slice_rows):
         n = min(slice_rows, nq - a)
         selected = selected_blocks(
@@ -200,6 +213,7 @@ def selection_slices(
             sink_blocks=sink_blocks,
             local_blocks=local_blocks,
             q_start=start + a,
+            pooled=pooled,
         )
         own = ((torch.arange(n, device=q.device) + start + a) // block_size)[:, None] == blk
         yield a, selected, selected & ~own

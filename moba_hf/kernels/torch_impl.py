@@ -24,7 +24,13 @@ import torch
 from .common import check_moba_args, gate_dtype, num_blocks, selection_slices
 
 # working-set bounds: small enough to keep memory ~ N * top_k * block_size, big enough for efficient kernels
-_CHUNK = 256  # gated rows per fused-batch entry (a group's last chunk is padded)
+# gated rows per fused-batch entry: a group's last chunk is padded, so small blocks (few rows per group) want
+# short chunks; on the 2-core CPU box 64 rows were best for block 64 (35% padding at 256), 256 for block 512
+_CHUNK_MIN, _CHUNK_MAX = 64, 256
+
+
+def _chunk_rows(block_size: int) -> int:
+    return min(_CHUNK_MAX, max(_CHUNK_MIN, block_size))
 _BATCH_ROWS = 8192  # rows per fused call on CPU
 _GATE_ELEMENTS = 1 << 20  # gate scores (rows x blocks) held at once on CPU
 _GPU_SCALE = 64  # GPUs hold this many times more gate scores at once
@@ -32,24 +38,25 @@ _GPU_SCORES = 1 << 27  # score elements of one fused call on a GPU (the matmul p
 
 
 def _batch_rows(device: torch.device, block_size: int) -> int:
-    return _BATCH_ROWS if device.type == "cpu" else max(_CHUNK, _GPU_SCORES // block_size)
+    return _BATCH_ROWS if device.type == "cpu" else max(_chunk_rows(block_size), _GPU_SCORES // block_size)
 
 
 # private but long-standing ops (torch >= 2.3); looked up softly so a missing one means the matmul path
 _FUSED_FWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FUSED_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 use_fused = True  # tests switch this off to check the matmul path
-# Index bookkeeping (gathers, sorts, merges: many short memory-bound ops) runs on one thread and only the fused
-# attention calls use the caller's threads: on a busy machine each short multi-threaded op waits milliseconds
-# for its sleeping worker threads, which made the bookkeeping cost more than the attention itself.
-serial_bookkeeping = True
+# Opt-in for oversubscribed machines: run the index bookkeeping (gathers, sorts, merges: many short memory-bound
+# ops) on one thread and only the fused attention calls on the caller's threads, since there each short
+# multi-threaded op waits for sleeping workers. Off by default: on an idle 2-core box it made a 32K forward
+# 1.3-2.4 s instead of 1.15 s.
+serial_bookkeeping = False
 _threads = threading.local()
 
 
 @contextlib.contextmanager
 def _serial(q: torch.Tensor):
     n = torch.get_num_threads()
-    if not (serial_bookkeeping and _fused(q)) or n == 1 or getattr(_threads, "n", 0):
+    if not (serial_bookkeeping and fused_available(q)) or n == 1 or getattr(_threads, "n", 0):
         yield
         return
     _threads.n = n
@@ -76,7 +83,8 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.empty(shape, dtype=dtype, device=device)  # tests fill it with NaN: unwritten rows must show
 
 
-def _fused(t: torch.Tensor) -> bool:
+def fused_available(t: torch.Tensor) -> bool:
+    """Whether the fused CPU flash-attention ops serve `t` (CPU tensor, ops present, not switched off)."""
     return use_fused and _FUSED_FWD is not None and _FUSED_BWD is not None and t.device.type == "cpu"
 
 
@@ -86,15 +94,16 @@ def _offset_mask(nq: int, nk: int, offset: int, like: torch.Tensor) -> torch.Ten
     return torch.zeros(nq, nk, dtype=like.dtype, device=like.device).masked_fill_(~allowed, float("-inf"))
 
 
-def _piece_fwd(
+def attention_with_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense attention of one piece: q [b, hq, n, d], k, v [b, hk, m, d] -> (out [b, hq, n, d], lse [b, hq, n]).
+    """Dense attention returning its log-sum-exp: q [b, hq, n, d], k, v [b, hk, m, d] (GQA: hq a multiple of hk)
+    -> (out [b, hq, n, d], lse [b, hq, n]). Forward only; pieces merge through lse (MoBA pieces, DCA parts).
 
     offset None: no mask; otherwise causal with query i at key position i + offset.
     """
     n, m = q.shape[2], k.shape[2]
-    if _fused(q):
+    if fused_available(q):
         if offset is None or (offset == 0 and n == m):
             return _parallel(_FUSED_FWD, q, k, v, 0.0, offset is not None, scale=scale)
         return _parallel(_FUSED_FWD, q, k, v, 0.0, False, attn_mask=_offset_mask(n, m, offset, q), scale=scale)
@@ -121,7 +130,7 @@ def _piece_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one piece given the *final* output and log-sum-exp of its rows (shapes as `_piece_fwd`)."""
     n, m = q.shape[2], k.shape[2]
-    if _fused(q):
+    if fused_available(q):
         if offset is None or (offset == 0 and n == m):
             return _parallel(_FUSED_BWD, do, q, k, v, o, lse, 0.0, offset is not None, scale=scale)
         return _parallel(
@@ -153,7 +162,7 @@ class _Plan:
     (block, first query position, key end).
     Gated (row, block) pairs are ordered by (slot, block), slot = rank of the pair within its row, so one slot's
     pairs touch each row at most once and can be merged into the output in place. Each (slot, block) group is
-    padded to whole chunks of _CHUNK rows (padding repeats a real row of the group and is marked `dummy`), so a
+    padded to whole chunks of `chunk` rows (padding repeats a real row of the group and is marked `dummy`), so a
     batch of chunks is one fused call with batch = chunks.
     """
 
@@ -165,6 +174,7 @@ class _Plan:
         start = nk - nq
         dev = q.device
         self.device = dev
+        self.chunk = _chunk_rows(bs)
         full = [c for c in range(start // bs, nb) if c * bs >= start and (c + 1) * bs <= nk]
         self.own_full = (full[0], full[-1] + 1) if full else None
         self.own_partial = [
@@ -190,8 +200,8 @@ class _Plan:
         order = torch.argsort(slot * (b * hkv * nb) + blocks, stable=True)
         rows, blocks, slot = rows[order], blocks[order], slot[order]
         keys, counts = torch.unique_consecutive(slot * (b * hkv * nb) + blocks, return_counts=True)
-        chunks = (counts + _CHUNK - 1) // _CHUNK
-        padded = chunks * _CHUNK
+        chunks = (counts + self.chunk - 1) // self.chunk
+        padded = chunks * self.chunk
         first = counts.cumsum(0) - counts
         group = torch.repeat_interleave(torch.arange(counts.numel(), device=dev), counts)
         pos = (padded.cumsum(0) - padded)[group] + torch.arange(rows.numel(), device=dev) - first[group]
@@ -203,12 +213,12 @@ class _Plan:
         # fused calls of at most _BATCH_ROWS rows, never mixing two slots
         slot_chunks = torch.zeros(int(slot[-1]) + 1, dtype=torch.long, device=dev)
         slot_chunks.index_add_(0, keys // (b * hkv * nb), chunks)
-        step = max(1, _batch_rows(dev, bs) // _CHUNK)
+        step = max(1, _batch_rows(dev, bs) // self.chunk)
         c0 = 0
         for n_chunks in slot_chunks.tolist():
             for c in range(c0, c0 + n_chunks, step):
                 c_end = min(c + step, c0 + n_chunks)
-                self.batches.append((slice(c * _CHUNK, c_end * _CHUNK), slice(c, c_end)))
+                self.batches.append((slice(c * self.chunk, c_end * self.chunk), slice(c, c_end)))
             c0 += n_chunks
 
 
@@ -261,7 +271,7 @@ def _forward(q, k, v, plan: _Plan, block_size: int, scale: float, dtype: torch.d
     out, lse = out_rows[:trash].view(b, hq, nq, d), lse_rows[:trash].view(b, hq, nq)
     for bi, heads, kv, where, offset in _own_pieces(plan, b, hkv, g, bs, start):
         if offset is None:  # whole blocks, batched as [blocks, heads, bs, D]
-            o, l_ = _piece_fwd(
+            o, l_ = attention_with_lse(
                 _blocks_view(q, bi, heads, start, where, bs).to(dtype),
                 _blocks_view(k, bi, kv, 0, where, bs).to(dtype),
                 _blocks_view(v, bi, kv, 0, where, bs).to(dtype),
@@ -272,7 +282,7 @@ def _forward(q, k, v, plan: _Plan, block_size: int, scale: float, dtype: torch.d
             _blocks_view(lse, bi, heads, start, where, bs).copy_(l_)
         else:
             rows, keys = where
-            o, l_ = _piece_fwd(
+            o, l_ = attention_with_lse(
                 q[bi, heads, rows][None].to(dtype),
                 k[bi, kv, keys][None].to(dtype),
                 v[bi, kv, keys][None].to(dtype),
@@ -284,8 +294,8 @@ def _forward(q, k, v, plan: _Plan, block_size: int, scale: float, dtype: torch.d
     for rows, chunks in plan.batches:
         idx = plan.rows[rows]
         dst = idx.masked_fill(plan.dummy[rows], trash)
-        o, l_ = _piece_fwd(
-            _rows(q, idx).to(dtype).view(-1, 1, _CHUNK, d),
+        o, l_ = attention_with_lse(
+            _rows(q, idx).to(dtype).view(-1, 1, plan.chunk, d),
             _key_blocks(k, plan.blocks[chunks], bs).to(dtype),
             _key_blocks(v, plan.blocks[chunks], bs).to(dtype),
             None,
@@ -346,12 +356,12 @@ def _backward(do, q, k, v, out, lse, plan: _Plan, block_size: int, scale: float,
         # padding rows get lse = +inf: probability 0, so they add nothing to any gradient
         lse_g = lse_rows.index_select(0, idx).masked_fill_(plan.dummy[rows], float("inf"))
         gq, gk, gv = _piece_bwd(
-            _rows(do, idx).view(-1, 1, _CHUNK, d),
-            _rows(q, idx).to(dtype).view(-1, 1, _CHUNK, d),
+            _rows(do, idx).view(-1, 1, plan.chunk, d),
+            _rows(q, idx).to(dtype).view(-1, 1, plan.chunk, d),
             _key_blocks(k, plan.blocks[chunks], bs).to(dtype),
             _key_blocks(v, plan.blocks[chunks], bs).to(dtype),
-            _rows(out, idx).view(-1, 1, _CHUNK, d),
-            lse_g.view(-1, 1, _CHUNK),
+            _rows(out, idx).view(-1, 1, plan.chunk, d),
+            lse_g.view(-1, 1, plan.chunk),
             None,
             scale,
         )
@@ -399,6 +409,9 @@ def moba_attention_torch(
         q, k, v, block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
     )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    # transformers hands over [B, N, H, D] transposed views; gathering rows of strided tensors is several times
+    # slower than one copy (with block 64 it made an 8K forward 1.7x slower)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     with _serial(q):
         plan = _Plan(q, k, block_size, top_k, pooling, sink_blocks, local_blocks)
     return _MobaTorch.apply(q, k, v, plan, block_size, scale)

@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from .common import check_moba_args, gate_dtype, num_blocks, selected_blocks
+from .common import check_moba_args, gate_dtype, num_blocks, selection_slices
 
 try:
     import triton
@@ -196,18 +196,9 @@ def _slot_lists(q, k, *, block_size, top_k, pooling, sink_blocks, local_blocks) 
     slots = torch.empty(b, hq, nq, n_slots, dtype=torch.int32, device=q.device)
     block_ids = torch.arange(nb, dtype=torch.int32, device=q.device)
     rows = max(1, _GATE_ELEMENTS // max(1, b * hq * nb))
-    for s in range(0, nq, rows):
-        e = min(nq, s + rows)
-        sel = selected_blocks(
-            q[:, :, s:e],
-            k,
-            block_size=block_size,
-            top_k=top_k,
-            pooling=pooling,
-            sink_blocks=sink_blocks,
-            local_blocks=local_blocks,
-            q_start=nk - nq + s,
-        )
+    gate = dict(pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks)
+    for s, sel, _ in selection_slices(q, k, block_size=block_size, top_k=top_k, slice_rows=rows, **gate):
+        e = s + sel.shape[2]
         # unselected blocks sort after every real one (key nb) and become the -1 padding
         ordered = torch.where(sel, block_ids, nb).sort(dim=-1).values[..., :n_slots]
         slots[:, :, s:e] = ordered.masked_fill(ordered == nb, -1)
