@@ -41,9 +41,13 @@ def sdpa(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def moba(backend: str, block_size: int, top_k: int):
+def moba(backend: str, args):
+    gate = dict(
+        block_size=args.block_size, top_k=args.top_k, sink_blocks=args.sink_blocks, local_blocks=args.local_blocks
+    )
+
     def run(q, k, v):
-        return moba_attention(q, k, v, block_size=block_size, top_k=top_k, backend=backend)
+        return moba_attention(q, k, v, backend=backend, **gate)
 
     return run
 
@@ -72,7 +76,7 @@ def verify(backend: str, args) -> float:
     err = 0.0
     results = []
     for fn in (moba_attention_reference, lambda *t, **kw: moba_attention(*t, **kw, backend=backend)):
-        out = fn(q, k, v, block_size=32, top_k=3)
+        out = fn(q, k, v, block_size=32, top_k=3, sink_blocks=args.sink_blocks, local_blocks=args.local_blocks)
         results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
     for a, b in zip(*results, strict=True):
         err = max(err, (a - b).abs().max().item())
@@ -120,7 +124,7 @@ def reset_peak_rss() -> None:
 
 def memory_child(args) -> None:
     """Run in a fresh process: one forward, print the peak RSS growth in bytes."""
-    fn = sdpa if args.memory_child == "sdpa" else moba(args.memory_child, args.block_size, args.top_k)
+    fn = sdpa if args.memory_child == "sdpa" else moba(args.memory_child, args)
     with torch.no_grad():  # first calls load code and start threads: keep that out of the measurement
         fn(*inputs(args, min(256, args.lengths[0])))
     q, k, v = inputs(args, args.lengths[0])
@@ -133,7 +137,17 @@ def memory_child(args) -> None:
 
 def memory(name: str, n: int, args) -> float | None:
     cmd = [sys.executable, __file__, "--memory-child", name, "--lengths", str(n), "--threads", str(args.threads)]
-    for flag in ("heads", "kv_heads", "head_dim", "block_size", "top_k", "dtype", "device"):
+    for flag in (
+        "heads",
+        "kv_heads",
+        "head_dim",
+        "block_size",
+        "top_k",
+        "sink_blocks",
+        "local_blocks",
+        "dtype",
+        "device",
+    ):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     try:
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -144,12 +158,30 @@ def memory(name: str, n: int, args) -> float | None:
         return None
 
 
+def append_rows(path: Path, rows: list[dict]) -> None:
+    """Append CSV rows; a file written before a column existed is rewritten with the new columns (left empty)."""
+    old: list[dict] = []
+    fields = list(rows[0])
+    if path.exists():
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            old = list(reader)
+            fields = list(reader.fieldnames or []) + [c for c in rows[0] if c not in (reader.fieldnames or [])]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(old + rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
     p.add_argument("--backends", nargs="+", default=["torch"])
     p.add_argument("--block-size", type=int, default=512)
     p.add_argument("--top-k", type=int, default=3)
+    p.add_argument("--sink-blocks", type=int, default=0, help="gate option: always attend the first n blocks")
+    p.add_argument("--local-blocks", type=int, default=0, help="gate option: always attend the n previous blocks")
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--head-dim", type=int, default=64)
@@ -201,7 +233,7 @@ def main() -> None:
             base["fwd+bwd"] = timed(sdpa, args, n, True, repeats)
         base_mem = memory("sdpa", n, args) if n in args.memory_lengths else None
         for name in backends:
-            fn = moba(name, args.block_size, args.top_k)
+            fn = moba(name, args)
             mine = {"fwd": timed(fn, args, n, False, repeats)}
             if n <= args.backward_max:
                 mine["fwd+bwd"] = timed(fn, args, n, True, repeats)
@@ -216,6 +248,8 @@ def main() -> None:
                         "backend": name,
                         "block_size": args.block_size,
                         "top_k": args.top_k,
+                        "sink_blocks": args.sink_blocks,
+                        "local_blocks": args.local_blocks,
                         "mode": mode,
                         "repeats": repeats,
                         "sdpa_min_s": round(min(ref), 4),
@@ -232,13 +266,7 @@ def main() -> None:
 
     if rows:
         path = Path(args.csv)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        new = not path.exists()
-        with path.open("a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            if new:
-                writer.writeheader()
-            writer.writerows(rows)
+        append_rows(path, rows)
         print(f"\n{meta}  (ratio = SDPA time / MoBA time; memory = peak RSS growth of one forward)")
         print(
             f"{'N':>6} {'backend':>8} {'mode':>8} {'SDPA min/med s':>16} {'MoBA min/med s':>16}"

@@ -23,6 +23,7 @@ import torch
 import moba_hf
 from moba_hf import DcaConfig, MobaConfig
 from moba_hf.eval.passkey import build_prompt, run_trial, trial_passkey
+from moba_hf.eval.runner import forward_kwargs, output_cache
 from moba_hf.models import load
 
 
@@ -43,11 +44,11 @@ def self_check(model, tokenizer, device: str) -> None:
     moba_hf.apply(model, MobaConfig(block_size=64, top_k=3, dca=DcaConfig(pretraining_length=256, chunk_size=192)))
     ids = tokenizer(build_prompt(tokenizer, 700, 0.5, 12345), return_tensors="pt").input_ids.to(device)
     full = model(ids).logits[0, -8:]
+    cache_kw, _ = forward_kwargs(model)  # "cache" or "past_key_values", by transformers version
     out = model(ids[:, :-8], use_cache=True)
-    cache, steps = out.past_key_values, []
+    steps = []
     for t in range(ids.shape[1] - 8, ids.shape[1]):
-        out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        out = model(ids[:, t : t + 1], use_cache=True, **{cache_kw: output_cache(out)})
         steps.append(out.logits[0, -1])
     error = (torch.stack(steps) - full).abs().max().item()
     moba_hf.revert(model)

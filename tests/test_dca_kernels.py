@@ -226,6 +226,38 @@ MOBA_CASES = [
 
 
 @pytest.mark.parametrize("case", MOBA_CASES, ids=lambda c: case_id(c[:8]) + f"-blk{c[8]}-k{c[9]}")
+def test_dca_moba_inference_path_matches_moba_on_remapped_scores(case):
+    # without gradients on CPU, DCA + MoBA runs the torch kernel's gathered blocks with per-region query variants
+    b, hq, hkv, nq, nk, d, c, s, block, top_k = case
+    inv_freq = inv_freq_for(d)
+    q_raw = torch.randn(b, hq, nq, d, dtype=torch.float64)
+    k_raw = torch.randn(b, hkv, nk, d, dtype=torch.float64)
+    v = torch.randn(b, hkv, nk, d, dtype=torch.float64)
+    selected = reference_selection(remapped_scores(q_raw, k_raw, c, s, inv_freq), nk, block, top_k)
+    want = reference_dca(q_raw, k_raw, v, c, s, inv_freq, 0.3, selected[..., torch.arange(nk) // block])
+    q, k = dca_inputs(q_raw, k_raw, s, inv_freq)
+    with torch.no_grad():
+        got = dca_attention(
+            q, k, v, pretraining_length=c, chunk_size=s, inv_freq=inv_freq, scale=0.3, block_size=block, top_k=top_k
+        )
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_torch_kernel_with_one_query_variant_is_plain_moba():
+    from moba_hf.kernels import moba_attention_reference, selected_blocks
+    from moba_hf.kernels.torch_impl import moba_attention_torch_variants
+
+    q = torch.randn(2, 4, 37, 8, dtype=torch.float64)
+    k = torch.randn(2, 2, 53, 8, dtype=torch.float64)
+    v = torch.randn(2, 2, 53, 8, dtype=torch.float64)
+    gate = dict(block_size=5, top_k=3, sink_blocks=1, local_blocks=1)
+    selected = selected_blocks(q, k, **gate)
+    got = moba_attention_torch_variants([q], k, v, selected=selected, block_size=5, variant_chunk=10, scale=0.4)
+    want = moba_attention_reference(q, k, v, scale=0.4, **gate)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", MOBA_CASES, ids=lambda c: case_id(c[:8]) + f"-blk{c[8]}-k{c[9]}")
 def test_dca_moba_matches_moba_on_remapped_scores(case):
     b, hq, hkv, nq, nk, d, c, s, block, top_k = case
     inv_freq = inv_freq_for(d)

@@ -302,3 +302,30 @@ def test_training_backward_matches_float64_finite_difference():
         minus = loss_fn()
         weight += eps * direction
     torch.testing.assert_close((grad * direction).sum(), (plus - minus) / (2 * eps), rtol=1e-3, atol=1e-8)
+
+
+def test_model_equals_an_independent_dca_oracle(arch):
+    """End to end: the model with dense DCA gives the logits of the same model whose attention undoes the RoPE it
+    was given (true positions) and applies the paper's rules pair by pair (tests/test_dca_kernels.py)."""
+    from test_dca_kernels import reference_dca
+    from transformers import AttentionInterface
+
+    c, s = TINY["max_position_embeddings"], 12
+    model = tiny_model(arch)
+    inv_freq = model.model.rotary_emb.inv_freq.double()  # the frequencies the model rotated q and k with
+
+    def unrotate(x: torch.Tensor) -> torch.Tensor:
+        angles = torch.arange(x.shape[2], dtype=torch.float64)[:, None] * inv_freq[None, :]
+        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+        return x * cos - rotate_half(x) * sin  # RoPE by minus the position
+
+    def oracle(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        out = reference_dca(unrotate(query), unrotate(key), value, c, s, inv_freq, scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("dca_oracle_test", oracle)
+    ids = torch.randint(0, 97, (2, 31))  # three chunks: intra, successive and inter parts all occur
+    model.set_attn_implementation("dca_oracle_test")
+    want = model(ids).logits
+    moba_hf.apply(model, MobaConfig(sparse=False, dca=DcaConfig(chunk_size=s)))
+    torch.testing.assert_close(model(ids).logits, want, rtol=1e-10, atol=1e-10)

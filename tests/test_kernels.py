@@ -86,6 +86,19 @@ def test_torch_matches_reference_float64(shape, gate, fused, monkeypatch):
     _assert_matches_reference(moba_attention_torch, shape, gate)
 
 
+@pytest.mark.parametrize("shape", SHAPES[:2], ids=_id)
+def test_torch_serial_bookkeeping_matches_reference(shape, monkeypatch):
+    # the opt-in single-threaded bookkeeping switches thread counts around the fused calls
+    monkeypatch.setattr(torch_impl, "serial_bookkeeping", True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _assert_matches_reference(moba_attention_torch, shape, {"sink_blocks": 1})
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("shape", SHAPES[:3], ids=_id)
 def test_torch_matches_reference_float32(shape):
     _assert_matches_reference(moba_attention_torch, shape, {}, dtype=torch.float32, atol=2e-5, rtol=2e-5)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.common import causal_attention, check_moba_args, choose_blocks, gate_dtype, gate_scores, num_blocks
-from ..kernels.torch_impl import attention_with_lse, fused_available
+from ..kernels.torch_impl import attention_with_lse, fused_available, moba_attention_torch_variants
 from .positions import INTER, query_positions, region
 from .rope import rotate
 
@@ -166,11 +166,18 @@ def dca_attention(
             variants, k, chunk_size=s, block_size=block_size, top_k=top_k, pooling=pooling,
             sink_blocks=sink_blocks, local_blocks=local_blocks,
         )  # fmt: skip
+    # inference on CPU: fused pieces merged by log-sum-exp (dense: one call per part; MoBA: the torch kernel's
+    # gathered blocks, each reading the query variant of its region)
+    fast = fused_available(q) and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
     if block_size is None:
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        if fused_available(q) and not needs_grad:
+        if fast:
             return _dense_dca_by_parts(variants, k, v, s, scale).to(q.dtype)
         return _dense_dca(variants, k, v, s, scale).to(q.dtype)
+    if fast:
+        out = moba_attention_torch_variants(
+            variants, k, v, selected=selected, block_size=block_size, variant_chunk=s, scale=scale
+        )
+        return out.to(q.dtype)
     kf, vf = k.to(dtype), v.to(dtype)
     key_block = None if block_size is None else torch.arange(nk, device=k.device) // block_size
     tile = max(1, min(nq, TILE_ELEMENTS // max(1, b * hq * nk)))

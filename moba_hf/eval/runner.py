@@ -63,14 +63,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _forward_kwargs(model: Any) -> tuple[str, bool]:
+def forward_kwargs(model: Any) -> tuple[str, bool]:
     """The cache keyword of model.forward ("cache" in transformers >= 5.2x, "past_key_values" before) and
     whether it takes logits_to_keep."""
     params = inspect.signature(model.forward).parameters
     return ("cache" if "cache" in params else "past_key_values"), "logits_to_keep" in params
 
 
-def _output_cache(out: Any) -> Any:
+def output_cache(out: Any) -> Any:
     for name in ("cache", "past_key_values"):
         value = getattr(out, name, None)
         if value is not None:
@@ -109,7 +109,7 @@ def greedy_decode(
     measured sparsity recorded (tracking recomputes the cheap block gate, inside the timed region)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    cache_kw, has_keep = _forward_kwargs(model)
+    cache_kw, has_keep = forward_kwargs(model)
     extra = {"logits_to_keep": 1} if has_keep else {}
     device = input_ids.device
     with track_sparsity() if track else contextlib.nullcontext() as stats:
@@ -124,7 +124,7 @@ def greedy_decode(
     for _ in range(max_new_tokens - 1):
         if eos_token_id is not None and tokens[-1] == eos_token_id:
             break
-        out = model(input_ids=next_token, use_cache=True, **{cache_kw: _output_cache(out)}, **extra)
+        out = model(input_ids=next_token, use_cache=True, **{cache_kw: output_cache(out)}, **extra)
         next_token = out.logits[:, -1:].argmax(-1)
         tokens.append(int(next_token))
     _sync(device)

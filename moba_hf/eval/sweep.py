@@ -19,7 +19,7 @@ import torch
 from ..config import MobaConfig
 from ..integration import apply, revert, track_sparsity
 from .passkey import FILLER, INTRO, QUESTION, first_integer, passkey_line
-from .runner import _forward_kwargs, _output_cache, _sync, versions
+from .runner import _sync, forward_kwargs, output_cache, versions
 
 # (name, MobaConfig or None for dense). Budgets chosen around 70-80% sparsity at 8K, plus the paper's setting.
 DEFAULT_GRID: list[tuple[str, MobaConfig | None]] = [("sdpa", None)]
@@ -74,7 +74,7 @@ def passkey_token_prompts(
 @torch.no_grad()
 def batched_passkey(model: Any, prompts: torch.Tensor, passkeys: Sequence[int], tokenizer: Any, new_tokens: int = 6):
     """Greedy-decode a batch of same-length prompts; returns (got, correct, prefill_seconds, sparsity)."""
-    cache_kw, has_keep = _forward_kwargs(model)
+    cache_kw, has_keep = forward_kwargs(model)
     extra = {"logits_to_keep": 1} if has_keep else {}
     device = prompts.device
     with track_sparsity() as stats:
@@ -87,7 +87,7 @@ def batched_passkey(model: Any, prompts: torch.Tensor, passkeys: Sequence[int], 
     token = out.logits[:, -1:].argmax(-1)
     generated = [token]
     for _ in range(new_tokens - 1):
-        out = model(input_ids=token, use_cache=True, **{cache_kw: _output_cache(out)}, **extra)
+        out = model(input_ids=token, use_cache=True, **{cache_kw: output_cache(out)}, **extra)
         token = out.logits[:, -1:].argmax(-1)
         generated.append(token)
     texts = tokenizer.batch_decode(torch.cat(generated, dim=-1), skip_special_tokens=True)

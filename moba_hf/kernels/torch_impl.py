@@ -31,6 +31,8 @@ _CHUNK_MIN, _CHUNK_MAX = 64, 256
 
 def _chunk_rows(block_size: int) -> int:
     return min(_CHUNK_MAX, max(_CHUNK_MIN, block_size))
+
+
 _BATCH_ROWS = 8192  # rows per fused call on CPU
 _GATE_ELEMENTS = 1 << 20  # gate scores (rows x blocks) held at once on CPU
 _GPU_SCALE = 64  # GPUs hold this many times more gate scores at once
@@ -166,7 +168,10 @@ class _Plan:
     batch of chunks is one fused call with batch = chunks.
     """
 
-    def __init__(self, q, k, block_size, top_k, pooling, sink_blocks, local_blocks):
+    def __init__(self, q, k, block_size, earlier_slices, variants=(1, None)):
+        """earlier_slices: (first query, bool [B, Hq, n, n_blocks] gated earlier blocks) over the queries, or None
+        when no block is gated. variants (count, chunk): gated block j of query position p reads query variant
+        min(p // chunk - j * block_size // chunk, count - 1) (see `moba_attention_torch_variants`)."""
         b, hq, nq, _ = q.shape
         hkv, nk = k.shape[1], k.shape[2]
         bs, g = block_size, hq // hkv
@@ -181,14 +186,10 @@ class _Plan:
             (c, max(start, c * bs), min((c + 1) * bs, nk)) for c in range(start // bs, nb) if c not in full
         ]
         self.batches: list[tuple[slice, slice]] = []  # (padded rows, chunks) of each fused call
-        if top_k == 1 and not sink_blocks and not local_blocks:
+        if earlier_slices is None:
             return
         rows, blocks = [], []
-        per = max(
-            1, _GATE_ELEMENTS * (1 if dev.type == "cpu" else _GPU_SCALE) // (b * hq * nb)
-        )  # bounds the gate scores held at once
-        gate = dict(pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks)
-        for a, _, earlier in selection_slices(q, k, block_size=bs, top_k=top_k, slice_rows=per, **gate):
+        for a, earlier in earlier_slices:
             ib, ih, iq, ij = earlier.nonzero().unbind(1)  # sorted by row, then block
             rows.append((ib * hq + ih) * nq + iq + a)
             blocks.append((ib * hkv + ih // g) * nb + ij)
@@ -207,6 +208,12 @@ class _Plan:
         pos = (padded.cumsum(0) - padded)[group] + torch.arange(rows.numel(), device=dev) - first[group]
         self.rows = torch.repeat_interleave(rows[first], padded)
         self.rows[pos] = rows
+        self.source = self.rows  # the query row each pair reads (another variant's row with variants)
+        count, chunk = variants
+        if count > 1:
+            which = ((start + rows % nq) // chunk - (blocks % nb) * bs // chunk).clamp(max=count - 1)
+            self.source = self.rows + torch.repeat_interleave(which[first], padded) * (b * hq * nq)
+            self.source[pos] = rows + which * (b * hq * nq)
         self.dummy = torch.ones(self.rows.numel(), dtype=torch.bool, device=dev)
         self.dummy[pos] = False
         self.blocks = torch.repeat_interleave(keys % (b * hkv * nb), chunks)
@@ -260,7 +267,8 @@ def _own_pieces(plan: _Plan, b: int, hkv: int, g: int, bs: int, start: int):
                 yield bi, heads, kv, (slice(first - start, end - start), slice(c * bs, end)), first - c * bs
 
 
-def _forward(q, k, v, plan: _Plan, block_size: int, scale: float, dtype: torch.dtype):
+def _forward(q, k, v, plan: _Plan, block_size: int, scale: float, dtype: torch.dtype, q_gated=None):
+    """Output and log-sum-exp; own blocks read q, gated pieces read `q_gated` (stacked variants) if given."""
     b, hq, nq, d = q.shape
     hkv = k.shape[1]
     g, bs, start = hq // hkv, block_size, k.shape[2] - nq
@@ -295,7 +303,7 @@ def _forward(q, k, v, plan: _Plan, block_size: int, scale: float, dtype: torch.d
         idx = plan.rows[rows]
         dst = idx.masked_fill(plan.dummy[rows], trash)
         o, l_ = attention_with_lse(
-            _rows(q, idx).to(dtype).view(-1, 1, plan.chunk, d),
+            _rows(q if q_gated is None else q_gated, plan.source[rows]).to(dtype).view(-1, 1, plan.chunk, d),
             _key_blocks(k, plan.blocks[chunks], bs).to(dtype),
             _key_blocks(v, plan.blocks[chunks], bs).to(dtype),
             None,
@@ -413,5 +421,44 @@ def moba_attention_torch(
     # slower than one copy (with block 64 it made an 8K forward 1.7x slower)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     with _serial(q):
-        plan = _Plan(q, k, block_size, top_k, pooling, sink_blocks, local_blocks)
+        earlier = None
+        if top_k > 1 or sink_blocks or local_blocks:
+            b, hq, nb = q.shape[0], q.shape[1], num_blocks(k.shape[2], block_size)
+            per = max(1, _GATE_ELEMENTS * (1 if q.device.type == "cpu" else _GPU_SCALE) // (b * hq * nb))
+            gate = dict(pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks)
+            slices = selection_slices(q, k, block_size=block_size, top_k=top_k, slice_rows=per, **gate)
+            earlier = ((a, gated) for a, _, gated in slices)
+        plan = _Plan(q, k, block_size, earlier)
     return _MobaTorch.apply(q, k, v, plan, block_size, scale)
+
+
+@torch.no_grad()
+def moba_attention_torch_variants(
+    queries: list[torch.Tensor],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    selected: torch.Tensor,
+    block_size: int,
+    variant_chunk: int,
+    scale: float,
+) -> torch.Tensor:
+    """Block-sparse attention over a given selection where a query has several versions (inference only).
+
+    queries: 1..3 tensors [B, Hq, Nq, D] (the same queries, e.g. rotated at different positions); selected: bool
+    [B, Hq, Nq, n_blocks] including each query's own block. The own block (causal) uses queries[0]; a gated
+    block j of the query at position p uses queries[min(p // variant_chunk - j * block_size // variant_chunk,
+    len(queries) - 1)] (Dual Chunk Attention's intra / successive / inter query by chunk distance; block_size must
+    divide variant_chunk). Returns [B, Hq, Nq, D] in float32 (float64 for float64 input).
+    """
+    q = queries[0].contiguous()
+    k, v = k.contiguous(), v.contiguous()
+    nq, nk = q.shape[2], k.shape[2]
+    own = ((torch.arange(nq, device=q.device) + nk - nq) // block_size)[:, None] == torch.arange(
+        selected.shape[-1], device=q.device
+    )
+    with _serial(q):
+        plan = _Plan(q, k, block_size, [(0, selected & ~own)], variants=(len(queries), variant_chunk))
+        q_gated = torch.cat([t.to(q.dtype) for t in queries], dim=0) if len(queries) > 1 else None
+        out, _ = _forward(q, k, v, plan, block_size, scale, gate_dtype(q.dtype), q_gated)
+    return out
