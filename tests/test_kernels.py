@@ -8,6 +8,10 @@ import inspect
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_cases import fwd_bwd as _fwd_bwd
+from kernel_cases import gate_id as _gate_id
+from kernel_cases import moba_inputs as _inputs
+from kernel_cases import shape_id as _id
 
 from moba_hf import kernels
 from moba_hf.kernels import moba_attention, moba_attention_reference, resolve_backend, torch_impl
@@ -35,28 +39,6 @@ GATES = [
     {"pooling": "max", "sink_blocks": 1},
     {"pooling": "mean+max", "local_blocks": 1},
 ]
-
-
-def _id(shape) -> str:
-    b, hq, hkv, nq, nk, d, bs, k = shape
-    return f"B{b}-T{nk}-Q{nq}-H{hkv}-HQ{hq}-D{d}-blk{bs}-k{k}"
-
-
-def _gate_id(gate: dict) -> str:
-    return "-".join(f"{k}={v}" for k, v in gate.items()) or "mean"
-
-
-def _inputs(shape, dtype=torch.float64, requires_grad=True):
-    b, hq, hkv, nq, nk, d, _, _ = shape
-    q = torch.randn(b, hq, nq, d, dtype=dtype)
-    k = torch.randn(b, hkv, nk, d, dtype=dtype)
-    v = torch.randn(b, hkv, nk, d, dtype=dtype)
-    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
-
-
-def _fwd_bwd(fn, q, k, v, grad, **kw):
-    out = fn(q, k, v, **kw)
-    return (out, *torch.autograd.grad(out, (q, k, v), grad))
 
 
 def _assert_matches_reference(fn, shape, gate, dtype=torch.float64, atol=1e-10, rtol=1e-10):

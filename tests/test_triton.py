@@ -20,6 +20,10 @@ import sys
 
 import pytest
 import torch
+from kernel_cases import fwd_bwd as _fwd_bwd
+from kernel_cases import gate_id as _gate_id
+from kernel_cases import moba_inputs
+from kernel_cases import shape_id as _id
 
 from moba_hf.kernels import moba_attention_reference
 
@@ -48,15 +52,6 @@ GATES = [
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
 
 
-def _id(shape) -> str:
-    b, hq, hkv, nq, nk, d, bs, k = shape
-    return f"B{b}-T{nk}-Q{nq}-H{hkv}-HQ{hq}-D{d}-blk{bs}-k{k}"
-
-
-def _gate_id(gate: dict) -> str:
-    return "-".join(f"{k}={v}" for k, v in gate.items())
-
-
 @pytest.fixture(scope="module")
 def triton_impl():
     if not RUNS_KERNELS:
@@ -78,16 +73,7 @@ def test_kernels_under_interpreter():
 
 
 def _inputs(shape, dtype, requires_grad=True):
-    b, hq, hkv, nq, nk, d, _, _ = shape
-    q = torch.randn(b, hq, nq, d, dtype=dtype, device=DEVICE)
-    k = torch.randn(b, hkv, nk, d, dtype=dtype, device=DEVICE)
-    v = torch.randn(b, hkv, nk, d, dtype=dtype, device=DEVICE)
-    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
-
-
-def _fwd_bwd(fn, q, k, v, grad, **kw):
-    out = fn(q, k, v, **kw)
-    return (out, *torch.autograd.grad(out, (q, k, v), grad))
+    return moba_inputs(shape, dtype, DEVICE, requires_grad)
 
 
 def _assert_matches_reference(fn, q, k, v, tol, **kw):
