@@ -162,3 +162,26 @@ def test_static_cache_is_refused():
     moba_hf.apply(model, MobaConfig(block_size=4, top_k=2))
     with pytest.raises(ValueError, match="StaticCache"):
         model.generate(torch.randint(0, 97, (1, 8)), max_new_tokens=3, do_sample=False, cache_implementation="static")
+
+
+RULE_CASES = [
+    # B, Hq, Hkv, Nq, Nk, block, top_k, sink, local
+    (2, 4, 2, 63, 63, 8, 3, 0, 0),
+    (1, 3, 1, 40, 111, 16, 2, 1, 1),  # Nq < Nk
+    (1, 2, 2, 1, 90, 8, 4, 2, 3),  # decode, sink and local overlap early on
+    (1, 2, 1, 70, 70, 4, 30, 1, 0),  # top_k covers everything
+    (2, 2, 1, 33, 33, 8, 1, 0, 2),  # top_k = 1 with local blocks
+    (1, 2, 1, 50, 50, 4, 3, 2, 2),  # early queries: the sink and local blocks overlap
+]
+
+
+@pytest.mark.parametrize("case", RULE_CASES, ids=lambda c: "B{}-HQ{}-H{}-Q{}-K{}-blk{}-k{}-s{}-l{}".format(*c))
+def test_rule_pair_count_equals_count_of_the_real_selection(case):
+    from moba_hf.integration import sparsity
+    from moba_hf.kernels import selected_blocks
+
+    b, hq, hkv, nq, nk, block, top_k, sink, local = case
+    q, k = torch.randn(b, hq, nq, 8), torch.randn(b, hkv, nk, 8)
+    gate = dict(block_size=block, top_k=top_k, sink_blocks=sink, local_blocks=local)
+    want = sparsity.attended_pairs(selected_blocks(q, k, **gate), nk, block)
+    assert sparsity.rule_pairs(b * hq, nq, nk, **gate) == want

@@ -20,7 +20,7 @@ import torch
 
 from ..integration import sparsity
 from ..integration.layout import sequence_spans
-from .attention import dca_attention, dca_selected_blocks, query_variants
+from .attention import dca_attention
 from .config import DcaParams, resolve
 from .rope import default_inv_freq, rotate
 
@@ -82,10 +82,9 @@ class DcaRun:
         if sparsity.tracking():
             causal = q.shape[0] * sparsity.causal_pairs(q.shape[1], q.shape[2], nk)
             attended, name = causal, "dca"
-            if not dense:
-                variants = query_variants(q, nk, p.pretraining_length, p.chunk_size, self.inv_freq, torch.float32)
-                selected = dca_selected_blocks(variants, k, chunk_size=p.chunk_size, **moba)
-                attended, name = sparsity.attended_pairs(selected, nk, config.block_size), "dca+moba"
+            if not dense:  # DCA's gate mixes query variants, but the rule (and so the count) is MoBA's
+                rule = {key: value for key, value in moba.items() if key != "pooling"}
+                attended, name = sparsity.rule_pairs(q.shape[0] * q.shape[1], q.shape[2], nk, **rule), "dca+moba"
             sparsity.record(layer, attended, causal, name)
         return dca_attention(
             q, k, v, pretraining_length=p.pretraining_length, chunk_size=p.chunk_size, inv_freq=self.inv_freq,

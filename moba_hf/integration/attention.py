@@ -16,7 +16,7 @@ import torch
 
 from ..config import MobaConfig
 from ..dca import hf as dca_hf
-from ..kernels import causal_attention, moba_attention, resolve_backend, selected_blocks
+from ..kernels import causal_attention, moba_attention, resolve_backend
 from . import sparsity
 from .cache import cached_step
 from .layout import sequence_spans
@@ -131,13 +131,16 @@ def _attend(
         return causal_attention(q, k, v, scale=scale)
     gate = dict(pooling=config.pooling, sink_blocks=config.sink_blocks, local_blocks=config.local_blocks)
     if sparsity.tracking():
-        selected = selected_blocks(q, k, block_size=config.block_size, top_k=config.top_k, **gate)
+        b, hq, nq, nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
         sparsity.record(
             layer,
-            sparsity.attended_pairs(selected, k.shape[2], config.block_size),
-            q.shape[0] * sparsity.causal_pairs(q.shape[1], q.shape[2], k.shape[2]),
+            sparsity.rule_pairs(
+                b * hq, nq, nk, block_size=config.block_size, top_k=config.top_k,
+                sink_blocks=config.sink_blocks, local_blocks=config.local_blocks,
+            ),
+            b * sparsity.causal_pairs(hq, nq, nk),
             resolve_backend(config.backend, q),
-        )
+        )  # fmt: skip
     return moba_attention(
         q, k, v, block_size=config.block_size, top_k=config.top_k, scale=scale, backend=config.backend, **gate
     )

@@ -97,3 +97,30 @@ def attended_pairs(selected: torch.Tensor, kv_length: int, block_size: int) -> i
     visible = torch.clamp(q_pos[:, None] - block_start[None, :] + 1, min=0)
     visible = torch.minimum(visible, block_len[None, :])
     return int((selected * visible).sum())
+
+
+def rule_pairs(
+    heads: int,
+    q_length: int,
+    kv_length: int,
+    *,
+    block_size: int,
+    top_k: int,
+    sink_blocks: int = 0,
+    local_blocks: int = 0,
+) -> int:
+    """Pairs MoBA attends, counted from the selection rule alone (equals `attended_pairs` of the real selection).
+
+    The rule always takes the query's own block (causally), the forced sink / local blocks before it and the
+    top_k - 1 best of the remaining earlier blocks, or all of them when fewer remain; earlier blocks are whole. So
+    the count never depends on the gate scores, and tracking need not score the blocks a second time.
+    """
+    p = torch.arange(kv_length - q_length, kv_length)
+    current = p // block_size
+    sink = current.clamp(max=sink_blocks)
+    local = current.clamp(max=local_blocks)
+    overlap = (sink - (current - local_blocks).clamp(min=0)).clamp(min=0)  # blocks both sink and local
+    forced = sink + local - overlap
+    picks = (current - forced).clamp(min=0, max=max(top_k - 1, 0))
+    own = p - current * block_size + 1
+    return heads * int((own + block_size * (forced + picks)).sum())
