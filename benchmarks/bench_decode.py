@@ -51,6 +51,18 @@ def _cache_keyword() -> str:
 CACHE = _cache_keyword()
 
 
+def timing_fields(t_moba: list[float], t_sdpa: list[float]) -> dict[str, float]:
+    """Min / median of both sides in ms and the speed-ups (SDPA time / MoBA time), for one CSV row."""
+    return {
+        "moba_min_ms": min(t_moba) * 1e3,
+        "moba_median_ms": statistics.median(t_moba) * 1e3,
+        "sdpa_min_ms": min(t_sdpa) * 1e3,
+        "sdpa_median_ms": statistics.median(t_sdpa) * 1e3,
+        "speedup_median": statistics.median(t_sdpa) / statistics.median(t_moba),
+        "speedup_min": min(t_sdpa) / min(t_moba),
+    }
+
+
 def timed_pair(first, second, repeats: int, warmup: int = 2) -> tuple[list[float], list[float]]:
     """Alternate the two calls so both see the same machine load (the CPU here is shared)."""
     for _ in range(warmup):
@@ -98,16 +110,7 @@ def bench_op(context: int, repeats: int, block: int, top_k: int) -> dict:
     dense = moba_attention_reference(q, k, v, block_size=context, top_k=1)
     torch.testing.assert_close(sdpa_step(), dense, rtol=1e-4, atol=1e-5)
     t_moba, t_sdpa = timed_pair(moba_step, sdpa_step, repeats)
-    return {
-        "bench": "op",
-        "context": context,
-        "moba_min_ms": min(t_moba) * 1e3,
-        "moba_median_ms": statistics.median(t_moba) * 1e3,
-        "sdpa_min_ms": min(t_sdpa) * 1e3,
-        "sdpa_median_ms": statistics.median(t_sdpa) * 1e3,
-        "speedup_median": statistics.median(t_sdpa) / statistics.median(t_moba),
-        "speedup_min": min(t_sdpa) / min(t_moba),
-    }
+    return {"bench": "op", "context": context, **timing_fields(t_moba, t_sdpa)}
 
 
 # --- whole model ----------------------------------------------------------------------------------------------------
@@ -189,12 +192,7 @@ def bench_model(contexts: list[int], new_tokens: int, block: int, top_k: int, ro
             {
                 "bench": "smollm2-generate",
                 "context": context,
-                "moba_min_ms": min(t_moba) * 1e3,
-                "moba_median_ms": statistics.median(t_moba) * 1e3,
-                "sdpa_min_ms": min(t_sdpa) * 1e3,
-                "sdpa_median_ms": statistics.median(t_sdpa) * 1e3,
-                "speedup_median": statistics.median(t_sdpa) / statistics.median(t_moba),
-                "speedup_min": min(t_sdpa) / min(t_moba),
+                **timing_fields(t_moba, t_sdpa),
                 "moba_tok_s": 1 / statistics.median(t_moba),
                 "sdpa_tok_s": 1 / statistics.median(t_sdpa),
                 "check_rel_logit_diff": diff,

@@ -257,6 +257,21 @@ def test_torch_kernel_with_one_query_variant_is_plain_moba():
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+def test_torch_kernel_with_query_variants_rejects_bad_arguments():
+    from moba_hf.kernels import selected_blocks
+    from moba_hf.kernels.torch_impl import moba_attention_torch_variants
+
+    q, k = torch.randn(1, 2, 20, 8), torch.randn(1, 1, 20, 8)
+    selected = selected_blocks(q, k, block_size=5, top_k=2)
+    ok = dict(selected=selected, block_size=5, variant_chunk=10, scale=0.3)
+    with pytest.raises(ValueError, match="variant_chunk must be a positive multiple of block_size"):
+        moba_attention_torch_variants([q, q], k, k, **{**ok, "variant_chunk": 12})
+    with pytest.raises(ValueError, match="queries must be 1 to 3"):
+        moba_attention_torch_variants([q] * 4, k, k, **ok)
+    with pytest.raises(ValueError, match="selected must be bool"):
+        moba_attention_torch_variants([q], k, k, **{**ok, "selected": selected[..., :2]})
+
+
 @pytest.mark.parametrize("case", MOBA_CASES, ids=lambda c: case_id(c[:8]) + f"-blk{c[8]}-k{c[9]}")
 def test_dca_moba_matches_moba_on_remapped_scores(case):
     b, hq, hkv, nq, nk, d, c, s, block, top_k = case

@@ -451,6 +451,14 @@ def moba_attention_torch_variants(
     len(queries) - 1)] (Dual Chunk Attention's intra / successive / inter query by chunk distance; block_size must
     divide variant_chunk). Returns [B, Hq, Nq, D] in float32 (float64 for float64 input).
     """
+    if not 1 <= len(queries) <= 3 or any(t.shape != queries[0].shape for t in queries):
+        raise ValueError(f"queries must be 1 to 3 tensors of one shape, got shapes {[tuple(t.shape) for t in queries]}")
+    check_moba_args(queries[0], k, v, block_size=block_size, top_k=1)
+    if variant_chunk < 1 or variant_chunk % block_size:
+        raise ValueError(f"variant_chunk must be a positive multiple of block_size ({block_size}), got {variant_chunk}")
+    expected = (*queries[0].shape[:3], num_blocks(k.shape[2], block_size))
+    if selected.dtype != torch.bool or tuple(selected.shape) != expected:
+        raise ValueError(f"selected must be bool {expected}, got {selected.dtype} {tuple(selected.shape)}")
     q = queries[0].contiguous()
     k, v = k.contiguous(), v.contiguous()
     nq, nk = q.shape[2], k.shape[2]
