@@ -19,9 +19,9 @@ except ImportError:  # Python 3.10
     import tomli as tomllib
 
 from .dca.config import DcaConfig, check_block_multiple
+from .kernels.common import POOLINGS
 
 DECODE_MODES = ("moba", "full")
-POOLINGS = ("mean", "max", "mean+max")
 BACKENDS = ("auto", "reference", "torch", "flex", "triton", "flash")
 
 
@@ -47,7 +47,8 @@ class MobaConfig:
     decode:              what single-token decode steps do: "moba" (sparse) or "full" (dense over the cache).
     backend:             kernel backend, see `moba_hf.kernels.BACKENDS`; "auto" picks the fastest available.
     pooling:             how a block's keys are pooled for the gate: "mean" (the paper), "max", or
-                         "mean+max" (sum of both scores).
+                         "mean+max" (sum of both scores), or "bound" (Quest's per-channel upper bound of q.k
+                         over the block's keys, from each channel's max and min).
     sink_blocks:         always attend the first n blocks, on top of the top_k selection.
     local_blocks:        always attend the n blocks before the current one, on top of the top_k selection.
     sparse:              False: every layer attends densely (e.g. DCA alone, without MoBA).

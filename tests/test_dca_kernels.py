@@ -225,9 +225,13 @@ MOBA_CASES = [
 ]
 
 
+@pytest.mark.parametrize("group_rows", [1 << 40, 0], ids=["chunked", "grouped"])
 @pytest.mark.parametrize("case", MOBA_CASES, ids=lambda c: case_id(c[:8]) + f"-blk{c[8]}-k{c[9]}")
-def test_dca_moba_inference_path_matches_moba_on_remapped_scores(case):
+def test_dca_moba_inference_path_matches_moba_on_remapped_scores(case, group_rows, monkeypatch):
     # without gradients on CPU, DCA + MoBA runs the torch kernel's gathered blocks with per-region query variants
+    from moba_hf.kernels import torch_impl
+
+    monkeypatch.setattr(torch_impl, "_GROUP_ROWS", group_rows)
     b, hq, hkv, nq, nk, d, c, s, block, top_k = case
     inv_freq = inv_freq_for(d)
     q_raw = torch.randn(b, hq, nq, d, dtype=torch.float64)
@@ -295,13 +299,13 @@ def test_dca_moba_matches_moba_on_remapped_scores(case):
         torch.testing.assert_close(got, dense, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("sink,local", [(0, 0), (1, 0), (0, 1), (1, 2)])
-def test_dca_moba_in_one_chunk_equals_moba_reference(sink, local):
+@pytest.mark.parametrize("sink,local,pooling", [(0, 0, "mean"), (1, 0, "mean"), (0, 1, "mean"), (1, 2, "mean"), (0, 1, "bound")])
+def test_dca_moba_in_one_chunk_equals_moba_reference(sink, local, pooling):
     inv_freq = inv_freq_for(8)
     q = torch.randn(2, 4, 27, 8, dtype=torch.float64)
     k = torch.randn(2, 2, 27, 8, dtype=torch.float64)
     v = torch.randn(2, 2, 27, 8, dtype=torch.float64)
-    moba = dict(block_size=4, top_k=3, sink_blocks=sink, local_blocks=local, pooling="mean")
+    moba = dict(block_size=4, top_k=3, sink_blocks=sink, local_blocks=local, pooling=pooling)
     got = dca_attention(q, k, v, pretraining_length=40, chunk_size=32, inv_freq=inv_freq, **moba)
     torch.testing.assert_close(got, moba_attention_reference(q, k, v, **moba), rtol=1e-12, atol=1e-12)
 

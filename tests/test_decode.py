@@ -32,6 +32,7 @@ KERNEL_CASES = [
     (2, 4, 2, 40, 4, 8, 4, 1, "mean", 0, 0),  # own block only
     (1, 8, 8, 111, 1, 60, 16, 9, "mean", 0, 0),  # top_k >= blocks
     (3, 4, 2, 63, 5, 8, 6, 2, "mean", 2, 1),
+    (2, 6, 3, 45, 2, 8, 5, 3, "bound", 1, 1),
 ]
 
 
@@ -69,7 +70,7 @@ def test_decode_kernel_float32_and_bad_args():
 
 
 # --- the running block state ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("pooling", ["mean", "max", "mean+max"])
+@pytest.mark.parametrize("pooling", ["mean", "max", "mean+max", "bound"])
 def test_block_state_equals_recomputation_after_every_append(pooling):
     bs, b, hkv, d = 4, 3, 2, 5
     keys = torch.randn(b, hkv, 40, d, dtype=torch.float64)

@@ -46,6 +46,7 @@ SHAPES = [
 GATES = [
     {"pooling": "max", "sink_blocks": 1},
     {"pooling": "mean+max", "local_blocks": 1},
+    {"pooling": "bound", "sink_blocks": 1},
     {"top_k": 1, "sink_blocks": 1, "local_blocks": 1},  # forced blocks only
 ]
 

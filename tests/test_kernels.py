@@ -38,6 +38,7 @@ GATES = [
     {},
     {"pooling": "max", "sink_blocks": 1},
     {"pooling": "mean+max", "local_blocks": 1},
+    {"pooling": "bound", "sink_blocks": 1, "local_blocks": 1},
 ]
 
 
@@ -60,11 +61,17 @@ def _nan_filled_outputs(monkeypatch):
     )
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "matmul"])
+# the torch backend's layouts of gated pieces: fused padded chunks, fused one call per key block, plain matmuls
+LAYOUTS = {"chunked": (True, 1 << 40), "grouped": (True, 0), "matmul": (False, 0)}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("gate", GATES, ids=_gate_id)
 @pytest.mark.parametrize("shape", SHAPES, ids=_id)
-def test_torch_matches_reference_float64(shape, gate, fused, monkeypatch):
+def test_torch_matches_reference_float64(shape, gate, layout, monkeypatch):
+    fused, group_rows = LAYOUTS[layout]
     monkeypatch.setattr(torch_impl, "use_fused", fused)
+    monkeypatch.setattr(torch_impl, "_GROUP_ROWS", group_rows)
     _assert_matches_reference(moba_attention_torch, shape, gate)
 
 
@@ -86,9 +93,12 @@ def test_torch_matches_reference_float32(shape):
     _assert_matches_reference(moba_attention_torch, shape, {}, dtype=torch.float32, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("group_rows", [1 << 40, 0], ids=["chunked", "grouped"])
 @pytest.mark.parametrize("shape", [(2, 4, 2, 97, 97, 8, 8, 4), (1, 4, 1, 61, 130, 8, 8, 3)], ids=_id)
-def test_torch_tiny_chunks(shape, monkeypatch):
-    """Tiny chunk / batch / gate-slice sizes: padding rows, many fused calls and many gate slices."""
+def test_torch_tiny_chunks(shape, group_rows, monkeypatch):
+    """Tiny chunk / batch / gate-slice sizes: padding rows, many fused calls, key blocks split over several
+    calls, many gate slices."""
+    monkeypatch.setattr(torch_impl, "_GROUP_ROWS", group_rows)
     monkeypatch.setattr(torch_impl, "_CHUNK_MIN", 4)
     monkeypatch.setattr(torch_impl, "_CHUNK_MAX", 4)
     monkeypatch.setattr(torch_impl, "_BATCH_ROWS", 12)

@@ -26,6 +26,9 @@ def brute_force_moba(q, k, v, block_size, top_k, scale=None, pooling="mean", sin
                 c = p // block_size
 
                 def gate(j, qi=q[b, h, i], blocks=blocks):
+                    if pooling == "bound":  # the largest q.k any key of the block could reach, channel by channel
+                        lo, hi = blocks[j].min(0).values, blocks[j].max(0).values
+                        return float(torch.maximum(qi * lo, qi * hi).sum())
                     mean, top = float(qi @ blocks[j].mean(0)), float(qi @ blocks[j].max(0).values)
                     return {"mean": mean, "max": top, "mean+max": mean + top}[pooling]
 
@@ -74,6 +77,8 @@ GATE_CASES = [
     ("mean", 1, 0),
     ("mean", 0, 1),
     ("max", 2, 1),
+    ("bound", 0, 0),
+    ("bound", 1, 1),
 ]
 
 

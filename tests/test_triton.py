@@ -48,6 +48,7 @@ GATES = [
     {"sink_blocks": 1, "local_blocks": 1},
     {"pooling": "max", "sink_blocks": 2},
     {"pooling": "mean+max", "local_blocks": 1},
+    {"pooling": "bound", "local_blocks": 1},
 ]
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
 

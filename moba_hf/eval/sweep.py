@@ -20,6 +20,7 @@ from ..config import MobaConfig
 from ..integration import apply, revert, track_sparsity
 from .passkey import FILLER, INTRO, QUESTION, first_integer, passkey_line
 from .runner import _sync, forward_kwargs, output_cache, versions
+from .settings import MOBA, parse_setting
 
 # (name, MobaConfig or None for dense). Budgets chosen around 70-80% sparsity at 8K, plus the paper's setting.
 DEFAULT_GRID: list[tuple[str, MobaConfig | None]] = [("sdpa", None)]
@@ -40,6 +41,8 @@ for _bs, _k, _full, _extra in [
     (64, 12, 3, {"pooling": "max"}),
     (64, 12, 3, {"pooling": "mean+max"}),
     (64, 12, 3, {"pooling": "mean+max", "sink_blocks": 1, "local_blocks": 1}),
+    (64, 12, 3, {"pooling": "bound"}),
+    (64, 12, 3, {"pooling": "bound", "sink_blocks": 1, "local_blocks": 1}),
     (128, 6, 3, {"sink_blocks": 1, "local_blocks": 1}),
     (32, 24, 3, {"pooling": "mean+max", "sink_blocks": 1, "local_blocks": 1}),
     (32, 24, 0, {"sink_blocks": 1, "local_blocks": 1}),
@@ -287,6 +290,16 @@ def default_text(tokenizer: Any, length: int) -> torch.Tensor:
     return torch.tensor([ids[:length]])
 
 
+def grid_entry(spec: str) -> tuple[str, MobaConfig | None]:
+    """A sweep row from a setting string (`moba_hf.eval.settings` grammar): MoBA settings or "sdpa"."""
+    setting = parse_setting(spec)
+    if setting.attn == "sdpa":
+        return setting.name, None
+    if setting.attn != MOBA:
+        raise ValueError(f"the sweep compares 'sdpa' with MoBA settings; got attn_implementation {setting.attn!r}")
+    return setting.name, setting.moba or MobaConfig()
+
+
 def add_sweep_task(tasks: Any) -> None:
     """`moba-hf eval sweep`."""
     p = tasks.add_parser("sweep", help="training-free sweep: passkey + perplexity vs measured sparsity (Pareto table)")
@@ -298,6 +311,13 @@ def add_sweep_task(tasks: Any) -> None:
     p.add_argument("--text", default=None, help="text file for perplexity (default: stdlib docstrings)")
     p.add_argument("--ppl-length", type=int, default=8000)
     p.add_argument("--only", default=None, help="comma-separated setting names from the default grid")
+    p.add_argument(
+        "--setting",
+        action="append",
+        default=None,
+        help="a setting outside the grid, e.g. 'b64-dense-decode=moba:block_size=64,decode=full' or 'sdpa' "
+        "(repeatable; with --only, added to those grid rows)",
+    )
     p.add_argument("--out", default="outputs/sweep")
     p.set_defaults(func=_main)
 
@@ -314,9 +334,12 @@ def _main(args: argparse.Namespace) -> int:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
     model.to(args.device)
     grid = DEFAULT_GRID
-    if args.only:
-        wanted = set(args.only.split(","))
-        grid = [g for g in DEFAULT_GRID if g[0] in wanted]
+    if args.only or args.setting:
+        wanted = set(args.only.split(",")) if args.only else set()
+        unknown = wanted - {name for name, _ in DEFAULT_GRID}
+        if unknown:
+            raise SystemExit(f"--only: {sorted(unknown)} not in the default grid; give other settings with --setting")
+        grid = [g for g in DEFAULT_GRID if g[0] in wanted] + [grid_entry(spec) for spec in args.setting or []]
     if args.text:
         ids = tokenizer(Path(args.text).read_text(), add_special_tokens=False).input_ids[: args.ppl_length]
         text_ids = torch.tensor([ids])

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import MobaConfig
-from ..kernels.common import gate_dtype
+from ..kernels.common import gate_dtype, gate_features
 from ..kernels.decode import moba_decode
 from . import sparsity
 
@@ -120,9 +120,9 @@ def check_cache_supported(cache: Any, layer_idx: int | None) -> None:
 
 # --- the block state ------------------------------------------------------------------------------------------
 class BlockState:
-    """Running per-block key sums (and maxima, for max pooling) of one layer's cache, per row and KV head.
+    """Running per-block key sums (and maxima, for max / bound pooling) of one layer's cache, per row and KV head.
 
-    sums / maxes: [B, Hkv, capacity, D]; counts[b]: real tokens of row b so far; starts[b]: cache position of
+    sums / maxes: [B, Hkv, capacity, D] (maxes: 2D for bound, the max of [k, -k]); counts[b]: real tokens of row b so far; starts[b]: cache position of
     row b's first real token (= n while it has none); n: cache positions covered.
     """
 
@@ -133,8 +133,9 @@ class BlockState:
         self.shape = (b, hkv, d)
         self.dtype = gate_dtype(keys.dtype)
         self.device = keys.device
-        self.sums = keys.new_zeros(b, hkv, 0, d, dtype=self.dtype) if pooling != "max" else None
-        self.maxes = keys.new_zeros(b, hkv, 0, d, dtype=self.dtype) if pooling != "mean" else None
+        self.sums = keys.new_zeros(b, hkv, 0, d, dtype=self.dtype) if pooling in ("mean", "mean+max") else None
+        max_width = 2 * d if pooling == "bound" else d  # gate_features: [k, -k] for bound
+        self.maxes = keys.new_zeros(b, hkv, 0, max_width, dtype=self.dtype) if pooling != "mean" else None
         self.counts = torch.zeros(b, dtype=torch.long, device=keys.device)
         self.starts = torch.zeros(b, dtype=torch.long, device=keys.device)
         self.n = 0
@@ -191,23 +192,24 @@ class BlockState:
         n_blk = -(-(off + r) // bs)
         self._reserve(first + n_blk)
         x = x.to(self.dtype)
+        features = gate_features(x, self.pooling)  # what the maxima run over
         span = slice(first, first + n_blk)
         if n_blk == 1:  # decode: one token into one block, no padding
             if self.sums is not None:
                 self.sums[rows, :, first] += x.sum(2)
             if self.maxes is not None:
-                self.maxes[rows, :, first] = torch.maximum(self.maxes[rows, :, first], x.amax(2))
+                self.maxes[rows, :, first] = torch.maximum(self.maxes[rows, :, first], features.amax(2))
             return
         pads = (0, 0, off, n_blk * bs - off - r)
-        shape = (x.shape[0], x.shape[1], n_blk, bs, x.shape[3])
+        shape = (x.shape[0], x.shape[1], n_blk, bs)
         if self.sums is not None:
-            self.sums[rows, :, span] += F.pad(x, pads).view(shape).sum(3)
+            self.sums[rows, :, span] += F.pad(x, pads).view(*shape, x.shape[3]).sum(3)
         if self.maxes is not None:
-            block_max = F.pad(x, pads, value=float("-inf")).view(shape).amax(3)
+            block_max = F.pad(features, pads, value=float("-inf")).view(*shape, features.shape[3]).amax(3)
             self.maxes[rows, :, span] = torch.maximum(self.maxes[rows, :, span], block_max)
 
     def block_keys(self, n_blocks: int | None = None) -> torch.Tensor:
-        """Pooled keys [B, Hkv, n_blocks, D (2D for mean+max)] in each row's sequence layout."""
+        """Pooled keys [B, Hkv, n_blocks, D (2D for mean+max and bound)] in each row's sequence layout."""
         bs = self.block_size
         nb = -(-int(self.counts.max()) // bs) if n_blocks is None else n_blocks
         pooled = []

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-POOLINGS = ("mean", "max", "mean+max")
+POOLINGS = ("mean", "max", "mean+max", "bound")
 
 
 def check_moba_args(
@@ -63,25 +63,49 @@ def num_blocks(seq_len: int, block_size: int) -> int:
 
 
 def pooled_keys(k: torch.Tensor, block_size: int, pooling: str) -> torch.Tensor:
-    """Pool each block's keys: [B, Hkv, Nk, D] -> [B, Hkv, n_blocks, D] (or 2 x that for "mean+max").
+    """Pool each block's keys: [B, Hkv, Nk, D] -> [B, Hkv, n_blocks, D] (2D for "mean+max" and "bound").
 
+    "bound" keeps each channel's max and min (as max of -k), Quest's bound on q.k over the block.
     Computed in float32 (float64 stays float64); a partial last block pools only its real keys.
     """
     b, h, n, d = k.shape
     nb = num_blocks(n, block_size)
-    kf = k.to(gate_dtype(k.dtype))
+    kf = gate_features(k.to(gate_dtype(k.dtype)), pooling)
     pad = nb * block_size - n
-    blocks = F.pad(kf, (0, 0, 0, pad)).view(b, h, nb, block_size, d)
+    blocks = F.pad(kf, (0, 0, 0, pad)).view(b, h, nb, block_size, kf.shape[-1])
     pooled = []
     if pooling in ("mean", "mean+max"):
         counts = torch.full((nb,), float(block_size), dtype=kf.dtype, device=k.device)
         counts[-1] = block_size - pad
         pooled.append(blocks.sum(dim=3) / counts[:, None])
-    if pooling in ("max", "mean+max"):
+    if pooling in ("max", "mean+max", "bound"):
         if pad:
-            blocks = F.pad(kf, (0, 0, 0, pad), value=float("-inf")).view(b, h, nb, block_size, d)
+            blocks = F.pad(kf, (0, 0, 0, pad), value=float("-inf")).view(b, h, nb, block_size, kf.shape[-1])
         pooled.append(blocks.amax(dim=3))
     return pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=-1)
+
+
+def gate_features(k: torch.Tensor, pooling: str) -> torch.Tensor:
+    """Per-key features that the pooling reduces: k itself, or [k, -k] for "bound" (max of -k = -min)."""
+    return torch.cat([k, -k], dim=-1) if pooling == "bound" else k
+
+
+def gate_width(head_dim: int, pooling: str) -> int:
+    """Last dim of the pooled keys."""
+    return 2 * head_dim if pooling in ("mean+max", "bound") else head_dim
+
+
+def gate_queries(q: torch.Tensor, pooling: str) -> torch.Tensor:
+    """Queries in the pooled keys' feature space, so that a dot product gives the gate score.
+
+    "mean+max": [q, q] (the sum of both scores). "bound": [relu(q), relu(-q)] against [max k, -min k] gives
+    sum_d max(q_d max_d, q_d min_d), the largest q.k any key of the block can reach.
+    """
+    if pooling == "mean+max":
+        return torch.cat([q, q], dim=-1)
+    if pooling == "bound":
+        return torch.cat([q.clamp(min=0), (-q).clamp(min=0)], dim=-1)
+    return q
 
 
 def gate_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -93,16 +117,14 @@ def gate_scores(
 ) -> torch.Tensor:
     """Gate score of every (query, block) pair: [B, Hq, Nq, n_blocks], float32 (float64 for float64 input).
 
-    "mean+max" sums the two scores q.mean(K) + q.max(K). `pooled`: `pooled_keys(k, block_size, pooling)` when the
-    caller already has it (query slices of one call share it).
+    "mean+max" sums the two scores q.mean(K) + q.max(K); "bound" is Quest's upper bound of q.k. `pooled`:
+    `pooled_keys(k, block_size, pooling)` when the caller already has it (query slices of one call share it).
     """
     b, hq, nq, d = q.shape
     hkv = k.shape[1]
     if pooled is None:
         pooled = pooled_keys(k, block_size, pooling)  # [B, Hkv, nb, D or 2D]
-    qf = q.to(pooled.dtype).reshape(b, hkv, hq // hkv, nq, d)
-    if pooling == "mean+max":
-        qf = torch.cat([qf, qf], dim=-1)
+    qf = gate_queries(q.to(pooled.dtype).reshape(b, hkv, hq // hkv, nq, d), pooling)
     scores = torch.einsum("bhgqd,bhnd->bhgqn", qf, pooled)
     return scores.reshape(b, hq, nq, -1)
 

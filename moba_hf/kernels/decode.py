@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_moba_args, gate_dtype, selected_blocks
+from .common import check_moba_args, gate_dtype, gate_queries, gate_width, pooled_keys, selected_blocks
 
 
 def check_decode_args(
@@ -38,7 +38,7 @@ def check_decode_args(
         raise ValueError(f"block_keys must be 4-D, got shape {tuple(block_keys.shape)}")
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
-    width = 2 * d if pooling == "mean+max" else d
+    width = gate_width(d, pooling)
     if block_keys.shape[:2] != (b, hkv) or block_keys.shape[3] != width:
         raise ValueError(
             f"block_keys must be [B={b}, Hkv={hkv}, n_blocks, {width}] for pooling={pooling!r}, "
@@ -64,12 +64,11 @@ def decode_selection(
     """Blocks each query attends: bool [B, Hq, Nq, n_blocks] (n_blocks = block_keys.shape[2]).
 
     q: [B, Hq, Nq, D], the last Nq tokens of row b's sequence of `lengths[b]` tokens;
-    block_keys: [B, Hkv, n_blocks, D] pooled keys (for "mean+max": [mean | max] on the last dim).
+    block_keys: [B, Hkv, n_blocks, D] pooled keys (2D for "mean+max" and "bound", see `pooled_keys`).
     """
     b, hq, nq, _ = q.shape
     nb = block_keys.shape[2]
-    # "mean+max" scores q.mean + q.max, i.e. one dot product of [q | q] with [mean | max]
-    gate_q = torch.cat([q, q], dim=-1) if pooling == "mean+max" else q
+    gate_q = gate_queries(q, pooling)  # one dot product with the pooled keys gives the gate score
     out = torch.zeros(b, hq, nq, nb, dtype=torch.bool, device=q.device)
     for i in range(nq):
         # rows whose query i sits in the same block select together (usually all rows)
@@ -110,7 +109,7 @@ def moba_decode(
 
     q: [B, Hq, Nq, D] -- the last Nq positions of the cache (Nq small: decode, speculative steps).
     k, v: [B, Hkv, Nk, D] -- the cache including the queries' own keys.
-    block_keys: [B, Hkv, n_blocks, D] (2D for "mean+max") -- each block's pooled keys in row b's sequence
+    block_keys: [B, Hkv, n_blocks, D] (2D for "mean+max" and "bound") -- each block's pooled keys in row b's sequence
         layout, covering at least the blocks of all Nk - starts[b] tokens; later entries are ignored.
     starts: [B] long -- cache position where row b's sequence begins (left padding); None means 0.
         Row b's sequence is cache positions starts[b] .. Nk - 1, all real tokens.
@@ -194,13 +193,11 @@ def block_keys_from_cache(
 ) -> torch.Tensor:
     """Pooled block keys [B, Hkv, n_blocks, D or 2D] of each row's sequence (cache positions starts[b]..Nk-1),
     recomputed from scratch: the oracle for the running sums (and the slow path when none are kept)."""
-    from .common import pooled_keys
-
     b, hkv, nk, d = k.shape
     if starts is None:
         return pooled_keys(k, block_size, pooling)
     nb = -(-int((nk - starts).max()) // block_size)
-    width = 2 * d if pooling == "mean+max" else d
+    width = gate_width(d, pooling)
     out = k.new_zeros(b, hkv, nb, width, dtype=gate_dtype(k.dtype))
     for r in range(b):
         pooled = pooled_keys(k[r : r + 1, :, int(starts[r]) :], block_size, pooling)

@@ -39,6 +39,11 @@ _GPU_SCALE = 64  # GPUs hold this many times more gate scores at once
 _GPU_SCORES = 1 << 27  # score elements of one fused call on a GPU (the matmul path materializes them)
 
 
+# the grouped layout (one call per key block) pays off once blocks average this many picking rows: measured at
+# 16K / block 512 it is 25% faster than padded chunks (no K/V copies, longer query runs in the fused kernel)
+_GROUP_ROWS = 1024
+
+
 def _batch_rows(device: torch.device, block_size: int) -> int:
     return _BATCH_ROWS if device.type == "cpu" else max(_chunk_rows(block_size), _GPU_SCORES // block_size)
 
@@ -162,10 +167,10 @@ class _Plan:
     [B, Hkv, n_blocks]: block = (b * Hkv + kv_head) * n_blocks + j.
     Own blocks: `own_full` (first, end) blocks wholly covered by queries (batched), `own_partial` the cut ones as
     (block, first query position, key end).
-    Gated (row, block) pairs are ordered by (slot, block), slot = rank of the pair within its row, so one slot's
-    pairs touch each row at most once and can be merged into the output in place. Each (slot, block) group is
-    padded to whole chunks of `chunk` rows (padding repeats a real row of the group and is marked `dummy`), so a
-    batch of chunks is one fused call with batch = chunks.
+    Gated (row, block) pairs run as fused calls (`batches`: rows, chunks) of [chunks, 1, rows per chunk, D]
+    queries against the chunks' key blocks, laid out either `_grouped` (one call per key block, when blocks are
+    picked by many rows) or `_chunked` (padded chunks of several blocks per call). Within a call a row appears
+    at most once, so calls merge into the output in place.
     """
 
     def __init__(self, q, k, block_size, earlier_slices, variants=(1, None)):
@@ -185,7 +190,7 @@ class _Plan:
         self.own_partial = [
             (c, max(start, c * bs), min((c + 1) * bs, nk)) for c in range(start // bs, nb) if c not in full
         ]
-        self.batches: list[tuple[slice, slice]] = []  # (padded rows, chunks) of each fused call
+        self.batches: list[tuple[slice, slice]] = []  # (rows, chunks) of each fused call
         if earlier_slices is None:
             return
         rows, blocks = [], []
@@ -196,11 +201,43 @@ class _Plan:
         rows, blocks = torch.cat(rows), torch.cat(blocks)
         if rows.numel() == 0:
             return
+        count, chunk = variants
+        if fused_available(q) and rows.numel() >= _GROUP_ROWS * (b * hkv * nb):
+            self._grouped(rows, blocks)
+        else:
+            self._chunked(rows, blocks, _batch_rows(dev, bs))
+        if count > 1:  # the query variant each pair reads: by chunk distance between query and block
+            pos, blk = self.rows % nq + start, self.blocks.repeat_interleave(self.chunk_rows) % nb
+            which = (pos // chunk - blk * bs // chunk).clamp(max=count - 1)
+            self.source = self.rows + which * (b * hq * nq)
+
+    def _grouped(self, rows: torch.Tensor, blocks: torch.Tensor) -> None:
+        """One fused call per key block with all the rows that picked it (no padding, the block's K/V not
+        copied per chunk); a block picked by more than _BATCH_ROWS rows is cut into calls of equal size."""
+        order = torch.argsort(blocks, stable=True)  # rows stay sorted within a block
+        self.rows, blocks = rows[order], blocks[order]
+        self.source = self.rows
+        self.dummy = torch.zeros(rows.numel(), dtype=torch.bool, device=rows.device)
+        keys, counts = torch.unique_consecutive(blocks, return_counts=True)
+        parts = [-(-n // (2 * _BATCH_ROWS)) for n in counts.tolist()]
+        self.blocks = keys.repeat_interleave(torch.tensor(parts, device=rows.device))
+        sizes = [n // m + (i < n % m) for n, m in zip(counts.tolist(), parts) for i in range(m)]
+        self.chunk_rows = torch.tensor(sizes, device=rows.device)
+        first = 0
+        for i, size in enumerate(sizes):
+            self.batches.append((slice(first, first + size), slice(i, i + 1)))
+            first += size
+
+    def _chunked(self, rows: torch.Tensor, blocks: torch.Tensor, batch_rows: int) -> None:
+        """Pairs ordered by (slot, block), slot = rank of the pair within its row, so one slot's pairs touch each
+        row at most once and merge in place; each (slot, block) group padded to whole chunks of `chunk` rows
+        (padding repeats a real row of the group, marked `dummy`), so a batch of chunks is one fused call."""
+        dev, nblk = rows.device, int(blocks.max()) + 1
         _, per_row = torch.unique_consecutive(rows, return_counts=True)
         slot = torch.arange(rows.numel(), device=dev) - torch.repeat_interleave(per_row.cumsum(0) - per_row, per_row)
-        order = torch.argsort(slot * (b * hkv * nb) + blocks, stable=True)
+        order = torch.argsort(slot * nblk + blocks, stable=True)
         rows, blocks, slot = rows[order], blocks[order], slot[order]
-        keys, counts = torch.unique_consecutive(slot * (b * hkv * nb) + blocks, return_counts=True)
+        keys, counts = torch.unique_consecutive(slot * nblk + blocks, return_counts=True)
         chunks = (counts + self.chunk - 1) // self.chunk
         padded = chunks * self.chunk
         first = counts.cumsum(0) - counts
@@ -208,25 +245,25 @@ class _Plan:
         pos = (padded.cumsum(0) - padded)[group] + torch.arange(rows.numel(), device=dev) - first[group]
         self.rows = torch.repeat_interleave(rows[first], padded)
         self.rows[pos] = rows
-        self.source = self.rows  # the query row each pair reads (another variant's row with variants)
-        count, chunk = variants
-        if count > 1:
-            which = ((start + rows % nq) // chunk - (blocks % nb) * bs // chunk).clamp(max=count - 1)
-            self.source = self.rows + torch.repeat_interleave(which[first], padded) * (b * hq * nq)
-            self.source[pos] = rows + which * (b * hq * nq)
+        self.source = self.rows
         self.dummy = torch.ones(self.rows.numel(), dtype=torch.bool, device=dev)
         self.dummy[pos] = False
-        self.blocks = torch.repeat_interleave(keys % (b * hkv * nb), chunks)
-        # fused calls of at most _BATCH_ROWS rows, never mixing two slots
+        self.blocks = torch.repeat_interleave(keys % nblk, chunks)
+        self.chunk_rows = torch.full_like(self.blocks, self.chunk)
+        # fused calls of at most batch_rows rows, never mixing two slots
         slot_chunks = torch.zeros(int(slot[-1]) + 1, dtype=torch.long, device=dev)
-        slot_chunks.index_add_(0, keys // (b * hkv * nb), chunks)
-        step = max(1, _batch_rows(dev, bs) // self.chunk)
+        slot_chunks.index_add_(0, keys // nblk, chunks)
+        step = max(1, batch_rows // self.chunk)
         c0 = 0
         for n_chunks in slot_chunks.tolist():
             for c in range(c0, c0 + n_chunks, step):
                 c_end = min(c + step, c0 + n_chunks)
                 self.batches.append((slice(c * self.chunk, c_end * self.chunk), slice(c, c_end)))
             c0 += n_chunks
+
+
+def _calls(chunks: slice) -> int:
+    return chunks.stop - chunks.start
 
 
 def _rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -303,7 +340,7 @@ def _forward(q, k, v, plan: _Plan, block_size: int, scale: float, dtype: torch.d
         idx = plan.rows[rows]
         dst = idx.masked_fill(plan.dummy[rows], trash)
         o, l_ = attention_with_lse(
-            _rows(q if q_gated is None else q_gated, plan.source[rows]).to(dtype).view(-1, 1, plan.chunk, d),
+            _rows(q if q_gated is None else q_gated, plan.source[rows]).to(dtype).view(_calls(chunks), 1, -1, d),
             _key_blocks(k, plan.blocks[chunks], bs).to(dtype),
             _key_blocks(v, plan.blocks[chunks], bs).to(dtype),
             None,
@@ -364,12 +401,12 @@ def _backward(do, q, k, v, out, lse, plan: _Plan, block_size: int, scale: float,
         # padding rows get lse = +inf: probability 0, so they add nothing to any gradient
         lse_g = lse_rows.index_select(0, idx).masked_fill_(plan.dummy[rows], float("inf"))
         gq, gk, gv = _piece_bwd(
-            _rows(do, idx).view(-1, 1, plan.chunk, d),
-            _rows(q, idx).to(dtype).view(-1, 1, plan.chunk, d),
+            _rows(do, idx).view(_calls(chunks), 1, -1, d),
+            _rows(q, idx).to(dtype).view(_calls(chunks), 1, -1, d),
             _key_blocks(k, plan.blocks[chunks], bs).to(dtype),
             _key_blocks(v, plan.blocks[chunks], bs).to(dtype),
-            _rows(out, idx).view(-1, 1, plan.chunk, d),
-            lse_g.view(-1, 1, plan.chunk),
+            _rows(out, idx).view(_calls(chunks), 1, -1, d),
+            lse_g.view(_calls(chunks), 1, -1),
             None,
             scale,
         )
