@@ -80,7 +80,10 @@ def test_theoretical_sparsity_counts_pairs_exactly():
 
 def test_training_free_preset_is_the_swept_setting():
     preset = MobaConfig.from_file(CONFIG_DIR / "training_free.toml")
-    assert preset == MobaConfig(block_size=64, top_k=12, full_attn_layers=3, sink_blocks=1, local_blocks=1)
+    assert preset == MobaConfig(
+        block_size=64, top_k=12, full_attn_layers=3, pooling="bound", sink_blocks=1, local_blocks=1
+    )
     from moba_hf.eval.sweep import DEFAULT_GRID
 
     assert preset in {cfg for _, cfg in DEFAULT_GRID}
+    assert MobaConfig.from_file(CONFIG_DIR / "moba_demo.toml") == preset  # the demo runs the preset

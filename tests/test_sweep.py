@@ -71,3 +71,13 @@ def test_sweep_writes_table_plot_and_resumes(tiny, tokenizer, tmp_path):
     finally:
         sweep.batched_passkey = original
     assert calls == []  # finished settings are not run again; the failed one fails again before any trial
+
+
+def test_grid_entries_from_setting_strings():
+    name, cfg = sweep.grid_entry("fine-dense-decode=moba:block_size=64,top_k=12,decode=full,pooling=bound")
+    assert name == "fine-dense-decode"
+    assert cfg == MobaConfig(block_size=64, top_k=12, decode="full", pooling="bound")
+    assert sweep.grid_entry("sdpa") == ("sdpa", None)
+    assert sweep.grid_entry("moba") == ("moba", MobaConfig())
+    with pytest.raises(ValueError, match="compares 'sdpa' with MoBA settings; got attn_implementation 'eager'"):
+        sweep.grid_entry("eager")
