@@ -41,10 +41,12 @@ def sdpa(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def gate_options(args) -> dict:
+    return dict(pooling=args.pooling, sink_blocks=args.sink_blocks, local_blocks=args.local_blocks)
+
+
 def moba(backend: str, args):
-    gate = dict(
-        block_size=args.block_size, top_k=args.top_k, sink_blocks=args.sink_blocks, local_blocks=args.local_blocks
-    )
+    gate = dict(block_size=args.block_size, top_k=args.top_k, **gate_options(args))
 
     def run(q, k, v):
         return moba_attention(q, k, v, backend=backend, **gate)
@@ -76,7 +78,7 @@ def verify(backend: str, args) -> float:
     err = 0.0
     results = []
     for fn in (moba_attention_reference, lambda *t, **kw: moba_attention(*t, **kw, backend=backend)):
-        out = fn(q, k, v, block_size=32, top_k=3, sink_blocks=args.sink_blocks, local_blocks=args.local_blocks)
+        out = fn(q, k, v, block_size=32, top_k=3, **gate_options(args))
         results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
     for a, b in zip(*results, strict=True):
         err = max(err, (a - b).abs().max().item())
@@ -143,6 +145,7 @@ def memory(name: str, n: int, args) -> float | None:
         "head_dim",
         "block_size",
         "top_k",
+        "pooling",
         "sink_blocks",
         "local_blocks",
         "dtype",
@@ -180,6 +183,7 @@ def main() -> None:
     p.add_argument("--backends", nargs="+", default=["torch"])
     p.add_argument("--block-size", type=int, default=512)
     p.add_argument("--top-k", type=int, default=3)
+    p.add_argument("--pooling", default="mean", help="gate option: block key pooling (mean, max, mean+max, bound)")
     p.add_argument("--sink-blocks", type=int, default=0, help="gate option: always attend the first n blocks")
     p.add_argument("--local-blocks", type=int, default=0, help="gate option: always attend the n previous blocks")
     p.add_argument("--heads", type=int, default=9)
@@ -248,6 +252,7 @@ def main() -> None:
                         "backend": name,
                         "block_size": args.block_size,
                         "top_k": args.top_k,
+                        "pooling": args.pooling,
                         "sink_blocks": args.sink_blocks,
                         "local_blocks": args.local_blocks,
                         "mode": mode,

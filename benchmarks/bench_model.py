@@ -2,6 +2,7 @@
 
     python benchmarks/bench_model.py                     # 16K tokens, block 512, top 3, backend torch
     python benchmarks/bench_model.py --tokens 4096 --repeats 2
+    python benchmarks/bench_model.py --tokens 8000 --config configs/training_free.toml --repeats 3
 
 First checks that MoBA with every block selected gives the "sdpa" logits (a short prompt), then times one
 prefill forward (`use_cache=False`, only the last position's logits) per setting and repeat, after a short
@@ -11,7 +12,8 @@ warm-up. Ratio = SDPA time / MoBA time. A CSV row per setting carries torch vers
 from __future__ import annotations
 
 import argparse
-import csv
+import dataclasses
+import json
 import platform
 import statistics
 import sys
@@ -21,6 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_attention import append_rows  # noqa: E402
 
 from moba_hf import MobaConfig  # noqa: E402
 from moba_hf.integration import apply, revert  # noqa: E402
@@ -40,6 +44,7 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=512)
     p.add_argument("--top-k", type=int, default=3)
     p.add_argument("--backend", default="torch")
+    p.add_argument("--config", default=None, help="MoBA config file (its fields replace --block-size / --top-k)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--csv", default="benchmarks/results_model.csv")
@@ -51,8 +56,11 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     check_ids = torch.randint(0, vocab, (1, 2 * args.block_size), generator=gen)
     ids = torch.randint(0, vocab, (1, args.tokens), generator=gen)
-    moba = MobaConfig(block_size=args.block_size, top_k=args.top_k, backend=args.backend)
-    covering = MobaConfig(block_size=args.block_size, top_k=args.top_k + 2, backend=args.backend)
+    if args.config:
+        moba = dataclasses.replace(MobaConfig.from_file(args.config), backend=args.backend)
+    else:
+        moba = MobaConfig(block_size=args.block_size, top_k=args.top_k, backend=args.backend)
+    covering = dataclasses.replace(moba, top_k=check_ids.shape[1] // moba.block_size + 1)  # every block: dense
 
     with torch.inference_mode():
         dense_logits = model(check_ids, use_cache=False).logits
@@ -81,8 +89,8 @@ def main() -> None:
         "device": f"{platform.machine()} cpu x{torch.get_num_threads()} threads",
         "model": "SmolLM2-135M-Instruct float32",
         "tokens": args.tokens,
-        "block_size": args.block_size,
-        "top_k": args.top_k,
+        "block_size": moba.block_size,
+        "top_k": moba.top_k,
         "backend": args.backend,
         "repeats": args.repeats,
         "sdpa_min_s": round(min(times["sdpa"]), 2),
@@ -90,14 +98,10 @@ def main() -> None:
         "moba_min_s": round(min(times["moba"]), 2),
         "moba_median_s": round(statistics.median(times["moba"]), 2),
         "ratio_min": round(min(times["sdpa"]) / min(times["moba"]), 2),
+        "moba_config": json.dumps(moba.to_dict(), sort_keys=True),
     }
     path = Path(args.csv)
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(row))
-        if new:
-            writer.writeheader()
-        writer.writerow(row)
+    append_rows(path, [row])
     print(row)
     print(
         f"prefill {args.tokens} tokens: sdpa {row['sdpa_min_s']:.1f} s, moba {row['moba_min_s']:.1f} s, "

@@ -14,9 +14,11 @@ forward on this transformers version (keys are remapped in place in the KV cache
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -29,11 +31,13 @@ from moba_hf.models import load
 
 def settings(args: argparse.Namespace) -> dict[str, MobaConfig | None]:
     dca = DcaConfig(pretraining_length=args.pretraining_length, chunk_size=args.chunk_size)
-    table = {
-        "plain (no DCA)": None,
-        "DCA dense": MobaConfig(sparse=False, dca=dca),
-        f"DCA + MoBA {args.block_size}x{args.top_k}": MobaConfig(block_size=args.block_size, top_k=args.top_k, dca=dca),
-    }
+    if args.moba_config:  # e.g. configs/training_free.toml: its MoBA fields, with DCA added
+        sparse = dataclasses.replace(MobaConfig.from_file(args.moba_config), dca=dca)
+        sparse_name = f"DCA + MoBA {Path(args.moba_config).stem}"
+    else:
+        sparse = MobaConfig(block_size=args.block_size, top_k=args.top_k, dca=dca)
+        sparse_name = f"DCA + MoBA {args.block_size}x{args.top_k}"
+    table = {"plain (no DCA)": None, "DCA dense": MobaConfig(sparse=False, dca=dca), sparse_name: sparse}
     chosen = {"plain": "plain (no DCA)", "dense": "DCA dense", "moba": next(k for k in table if k.startswith("DCA +"))}
     return {chosen[name]: table[chosen[name]] for name in args.settings}
 
@@ -67,6 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-size", type=int, default=None, help="DCA s (default c - c // 8)")
     parser.add_argument("--block-size", type=int, default=512, help="MoBA block size (default 512)")
     parser.add_argument("--top-k", type=int, default=8, help="MoBA blocks per query (default 8)")
+    parser.add_argument(
+        "--moba-config",
+        default=None,
+        help="MoBA config file for the sparse setting (instead of "
+        "--block-size / --top-k), e.g. configs/training_free.toml",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write every trial to this JSON file")
     parser.add_argument("--no-check", action="store_true", help="skip the cached-decoding self-check")

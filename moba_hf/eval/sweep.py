@@ -27,6 +27,7 @@ DEFAULT_GRID: list[tuple[str, MobaConfig | None]] = [("sdpa", None)]
 for _bs, _k, _full, _extra in [
     (512, 3, 0, {}),
     (512, 3, 3, {}),
+    (512, 3, 0, {"pooling": "bound"}),
     (256, 4, 3, {}),
     (128, 6, 3, {}),
     (128, 8, 3, {}),

@@ -3,7 +3,8 @@
 Work is split into *pieces*, each a small dense attention whose partial softmaxes are merged by log-sum-exp::
 
     own block  : queries of block c  x  keys of block c (causal)   -- batched over blocks, GQA heads share K
-    gated block: the (head, query) rows that picked block j  x  keys of block j (no mask)
+    gated block: the (head, query) rows that picked block j  x  keys of block j (no mask) -- one call per block
+                 when blocks are picked by many rows, else padded chunks of several blocks per call
 
 Every row sees its own block exactly once and each picked earlier block once, so merging the pieces' (out, lse)
 gives the softmax over the union of attended keys. Memory grows with N * top_k * block_size (pieces are bounded
