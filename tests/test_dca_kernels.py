@@ -299,7 +299,9 @@ def test_dca_moba_matches_moba_on_remapped_scores(case):
         torch.testing.assert_close(got, dense, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("sink,local,pooling", [(0, 0, "mean"), (1, 0, "mean"), (0, 1, "mean"), (1, 2, "mean"), (0, 1, "bound")])
+@pytest.mark.parametrize(
+    "sink,local,pooling", [(0, 0, "mean"), (1, 0, "mean"), (0, 1, "mean"), (1, 2, "mean"), (0, 1, "bound")]
+)
 def test_dca_moba_in_one_chunk_equals_moba_reference(sink, local, pooling):
     inv_freq = inv_freq_for(8)
     q = torch.randn(2, 4, 27, 8, dtype=torch.float64)

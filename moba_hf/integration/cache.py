@@ -122,8 +122,9 @@ def check_cache_supported(cache: Any, layer_idx: int | None) -> None:
 class BlockState:
     """Running per-block key sums (and maxima, for max / bound pooling) of one layer's cache, per row and KV head.
 
-    sums / maxes: [B, Hkv, capacity, D] (maxes: 2D for bound, the max of [k, -k]); counts[b]: real tokens of row b so far; starts[b]: cache position of
-    row b's first real token (= n while it has none); n: cache positions covered.
+    sums / maxes: [B, Hkv, capacity, D] (maxes: 2D for bound, the max of [k, -k]); counts[b]: real tokens of row
+    b so far; starts[b]: cache position of row b's first real token (= n while it has none); n: cache positions
+    covered.
     """
 
     def __init__(self, keys: torch.Tensor, block_size: int, pooling: str) -> None:

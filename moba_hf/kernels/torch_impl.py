@@ -222,7 +222,7 @@ class _Plan:
         keys, counts = torch.unique_consecutive(blocks, return_counts=True)
         parts = [-(-n // (2 * _BATCH_ROWS)) for n in counts.tolist()]
         self.blocks = keys.repeat_interleave(torch.tensor(parts, device=rows.device))
-        sizes = [n // m + (i < n % m) for n, m in zip(counts.tolist(), parts) for i in range(m)]
+        sizes = [n // m + (i < n % m) for n, m in zip(counts.tolist(), parts, strict=True) for i in range(m)]
         self.chunk_rows = torch.tensor(sizes, device=rows.device)
         first = 0
         for i, size in enumerate(sizes):
