@@ -214,7 +214,7 @@ class _Plan:
 
     def _grouped(self, rows: torch.Tensor, blocks: torch.Tensor) -> None:
         """One fused call per key block with all the rows that picked it (no padding, the block's K/V not
-        copied per chunk); a block picked by more than _BATCH_ROWS rows is cut into calls of equal size."""
+        copied per chunk); a block picked by more than 2 x _BATCH_ROWS rows is cut into calls of equal size."""
         order = torch.argsort(blocks, stable=True)  # rows stay sorted within a block
         self.rows, blocks = rows[order], blocks[order]
         self.source = self.rows
