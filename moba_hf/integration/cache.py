@@ -135,8 +135,8 @@ class BlockState:
         self.dtype = gate_dtype(keys.dtype)
         self.device = keys.device
         self.sums = keys.new_zeros(b, hkv, 0, d, dtype=self.dtype) if pooling in ("mean", "mean+max") else None
-        max_width = 2 * d if pooling == "bound" else d  # gate_features: [k, -k] for bound
-        self.maxes = keys.new_zeros(b, hkv, 0, max_width, dtype=self.dtype) if pooling != "mean" else None
+        empty = keys.new_zeros(b, hkv, 0, d, dtype=self.dtype)
+        self.maxes = gate_features(empty, pooling) if pooling != "mean" else None  # 2D wide for bound
         self.counts = torch.zeros(b, dtype=torch.long, device=keys.device)
         self.starts = torch.zeros(b, dtype=torch.long, device=keys.device)
         self.n = 0
