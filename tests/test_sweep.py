@@ -72,6 +72,13 @@ def test_sweep_writes_table_plot_and_resumes(tiny, tokenizer, tmp_path):
         sweep.batched_passkey = original
     assert calls == []  # finished settings are not run again; the failed one fails again before any trial
 
+    # a resumed run whose last rows are all reused still writes every row of its grid
+    sweep.run_sweep(
+        tiny, tokenizer, grid[::-1][1:], lengths=[64, 96], trials=2, text_ids=text, out_dir=tmp_path, progress=False
+    )
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert [r["name"] for r in saved["rows"]] == ["b16-k2", "sdpa"]
+
 
 def test_grid_entries_from_setting_strings():
     name, cfg = sweep.grid_entry("fine-dense-decode=moba:block_size=64,top_k=12,decode=full,pooling=bound")

@@ -169,6 +169,7 @@ def run_sweep(
             row.error = f"{type(err).__name__}: {err}"
         rows.append(row)
         _save(rows, out_dir, lengths)
+    _save(rows, out_dir, lengths)  # also when the last settings were all reused from an earlier run
     bar.close()
     revert(model)
     return rows
