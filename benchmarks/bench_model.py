@@ -54,12 +54,12 @@ def main() -> None:
     model, _ = load("smollm2")
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    check_ids = torch.randint(0, vocab, (1, 2 * args.block_size), generator=gen)
-    ids = torch.randint(0, vocab, (1, args.tokens), generator=gen)
     if args.config:
         moba = dataclasses.replace(MobaConfig.from_file(args.config), backend=args.backend)
     else:
         moba = MobaConfig(block_size=args.block_size, top_k=args.top_k, backend=args.backend)
+    check_ids = torch.randint(0, vocab, (1, 2 * moba.block_size), generator=gen)
+    ids = torch.randint(0, vocab, (1, args.tokens), generator=gen)
     covering = dataclasses.replace(moba, top_k=check_ids.shape[1] // moba.block_size + 1)  # every block: dense
 
     with torch.inference_mode():
@@ -73,12 +73,12 @@ def main() -> None:
         raise SystemExit("MoBA does not reproduce dense attention; not timing")
 
     times: dict[str, list[float]] = {"sdpa": [], "moba": []}
-    prefill(model, ids[:, : 2 * args.block_size])  # warm-up
+    prefill(model, ids[:, : 2 * moba.block_size])  # warm-up
     for _ in range(args.repeats):
         times["sdpa"].append(prefill(model, ids))
         print(f"sdpa prefill {args.tokens} tokens: {times['sdpa'][-1]:.1f} s", flush=True)
     apply(model, moba)
-    prefill(model, ids[:, : 2 * args.block_size])
+    prefill(model, ids[:, : 2 * moba.block_size])
     for _ in range(args.repeats):
         times["moba"].append(prefill(model, ids))
         print(f"moba prefill {args.tokens} tokens: {times['moba'][-1]:.1f} s", flush=True)
