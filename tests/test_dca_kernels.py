@@ -225,13 +225,15 @@ MOBA_CASES = [
 ]
 
 
-@pytest.mark.parametrize("group_rows", [1 << 40, 0], ids=["chunked", "grouped"])
+@pytest.mark.parametrize(("group_rows", "own_tile"), [(1 << 40, 128), (0, 2)], ids=["chunked", "grouped-tiled"])
 @pytest.mark.parametrize("case", MOBA_CASES, ids=lambda c: case_id(c[:8]) + f"-blk{c[8]}-k{c[9]}")
-def test_dca_moba_inference_path_matches_moba_on_remapped_scores(case, group_rows, monkeypatch):
+def test_dca_moba_inference_path_matches_moba_on_remapped_scores(case, group_rows, own_tile, monkeypatch):
     # without gradients on CPU, DCA + MoBA runs the torch kernel's gathered blocks with per-region query variants
+    # (grouped-tiled: gated pieces one call per key block, own blocks in causal tiles of 2 rows)
     from moba_hf.kernels import torch_impl
 
     monkeypatch.setattr(torch_impl, "_GROUP_ROWS", group_rows)
+    monkeypatch.setattr(torch_impl, "_OWN_TILE", own_tile)
     b, hq, hkv, nq, nk, d, c, s, block, top_k = case
     inv_freq = inv_freq_for(d)
     q_raw = torch.randn(b, hq, nq, d, dtype=torch.float64)

@@ -61,17 +61,20 @@ def _nan_filled_outputs(monkeypatch):
     )
 
 
-# the torch backend's layouts of gated pieces: fused padded chunks, fused one call per key block, plain matmuls
-LAYOUTS = {"chunked": (True, 1 << 40), "grouped": (True, 0), "matmul": (False, 0)}
+# the torch backend's layouts (fused call, rows per key block before grouping, own-block tile): gated pieces in
+# fused padded chunks, fused one call per key block, plain matmuls; own blocks whole (the default tile of 128
+# exceeds these blocks) or in causal tiles of 4 rows plus earlier-tile pieces (blocks of 8, 16, 20, 64)
+LAYOUTS = {"chunked": (True, 1 << 40, 128), "grouped": (True, 0, 4), "matmul": (False, 0, 4)}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("gate", GATES, ids=_gate_id)
 @pytest.mark.parametrize("shape", SHAPES, ids=_id)
 def test_torch_matches_reference_float64(shape, gate, layout, monkeypatch):
-    fused, group_rows = LAYOUTS[layout]
+    fused, group_rows, own_tile = LAYOUTS[layout]
     monkeypatch.setattr(torch_impl, "use_fused", fused)
     monkeypatch.setattr(torch_impl, "_GROUP_ROWS", group_rows)
+    monkeypatch.setattr(torch_impl, "_OWN_TILE", own_tile)
     _assert_matches_reference(moba_attention_torch, shape, gate)
 
 
@@ -103,6 +106,7 @@ def test_torch_tiny_chunks(shape, group_rows, monkeypatch):
     monkeypatch.setattr(torch_impl, "_CHUNK_MAX", 4)
     monkeypatch.setattr(torch_impl, "_BATCH_ROWS", 12)
     monkeypatch.setattr(torch_impl, "_GATE_ELEMENTS", 400)
+    monkeypatch.setattr(torch_impl, "_OWN_TILE", 2)
     _assert_matches_reference(moba_attention_torch, shape, {"sink_blocks": 1})
 
 

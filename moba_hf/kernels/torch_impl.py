@@ -44,6 +44,7 @@ _GPU_SCORES = 1 << 27  # score elements of one fused call on a GPU (the matmul p
 # on the 2-core CPU, 12% faster at 16K / block 512 and 27% at 8K / block 64 than padded chunks (no padding rows,
 # no K/V copy per chunk)
 _GROUP_ROWS = 1024
+_OWN_TILE = 128
 
 
 def _batch_rows(device: torch.device, block_size: int) -> int:
@@ -286,6 +287,17 @@ def _key_blocks(t: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch
     return whole[blocks // (h * nb), blocks // nb % h, blocks % nb][:, None]
 
 
+def _own_tile(block_size: int) -> int:
+    """Rows per causal tile of an own block: the CPU kernel computes a causal square at the cost of the full one,
+    so blocks of 256+ keys run as causal tiles of 128 plus unmasked earlier-tile pieces (5/8 of the work at 512)."""
+    return _OWN_TILE if block_size % _OWN_TILE == 0 and block_size >= 2 * _OWN_TILE else block_size
+
+
+def _tiles(t: torch.Tensor, tile: int) -> torch.Tensor:
+    """[n, H, bs, ...] (blocks of bs positions) -> [n * bs // tile, H, tile, ...] tiles, a view for _blocks_view's."""
+    return t.unflatten(2, (-1, tile)).transpose(1, 2).flatten(0, 1)
+
+
 def _blocks_view(t: torch.Tensor, bi: int, heads: slice, first: int, blocks: tuple[int, int], bs: int) -> torch.Tensor:
     """Blocks c0..c1-1 of [B, H, N, ...] (position p at index p - first) as [c1 - c0, H', bs, ...], a view."""
     c0, c1 = blocks
@@ -318,15 +330,17 @@ def _forward(q, k, v, plan: _Plan, block_size: int, scale: float, dtype: torch.d
     out, lse = out_rows[:trash].view(b, hq, nq, d), lse_rows[:trash].view(b, hq, nq)
     for bi, heads, kv, where, offset in _own_pieces(plan, b, hkv, g, bs, start):
         if offset is None:  # whole blocks, batched as [blocks, heads, bs, D]
-            o, l_ = attention_with_lse(
-                _blocks_view(q, bi, heads, start, where, bs).to(dtype),
-                _blocks_view(k, bi, kv, 0, where, bs).to(dtype),
-                _blocks_view(v, bi, kv, 0, where, bs).to(dtype),
-                0,
-                scale,
-            )
-            _blocks_view(out, bi, heads, start, where, bs).copy_(o)
-            _blocks_view(lse, bi, heads, start, where, bs).copy_(l_)
+            qb = _blocks_view(q, bi, heads, start, where, bs).to(dtype)
+            kb, vb = (_blocks_view(t, bi, kv, 0, where, bs).to(dtype) for t in (k, v))
+            ob, lb = _blocks_view(out, bi, heads, start, where, bs), _blocks_view(lse, bi, heads, start, where, bs)
+            tile = _own_tile(bs)
+            o, l_ = attention_with_lse(_tiles(qb, tile), _tiles(kb, tile), _tiles(vb, tile), 0, scale)
+            _tiles(ob, tile).copy_(o)
+            _tiles(lb, tile).copy_(l_)
+            for first in range(tile, bs, tile):  # each later tile's rows also see the block's earlier tiles
+                rows = slice(first, first + tile)
+                o, l_ = attention_with_lse(qb[:, :, rows], kb[:, :, :first], vb[:, :, :first], None, scale)
+                _merge(ob[:, :, rows], lb[:, :, rows], o, l_)
         else:
             rows, keys = where
             o, l_ = attention_with_lse(
@@ -349,14 +363,18 @@ def _forward(q, k, v, plan: _Plan, block_size: int, scale: float, dtype: torch.d
             scale,
         )
         # log-sum-exp merge with what the row has so far (its own block and earlier slots)
-        l_, o = l_.view(-1), o.view(-1, d)
-        l_old = lse_rows.index_select(0, dst)
-        l_new = torch.logaddexp(l_old, l_)
-        o_new = out_rows.index_select(0, dst).mul_((l_old - l_new).exp_()[:, None])
-        o_new.add_(o.mul_((l_ - l_new).exp_()[:, None]))
+        o_new, l_new = out_rows.index_select(0, dst), lse_rows.index_select(0, dst)
+        _merge(o_new, l_new, o.view(-1, d), l_.view(-1))
         out_rows.index_copy_(0, dst, o_new)
         lse_rows.index_copy_(0, dst, l_new)
     return out, lse
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l_: torch.Tensor) -> None:
+    """Merge a piece's (o, l_) into (out, lse) in place by log-sum-exp (o is scaled in place too)."""
+    l_new = torch.logaddexp(lse, l_)
+    out.mul_((lse - l_new).exp_()[..., None]).add_(o.mul_((l_ - l_new).exp_()[..., None]))
+    lse.copy_(l_new)
 
 
 def _backward(do, q, k, v, out, lse, plan: _Plan, block_size: int, scale: float, dtype: torch.dtype):
