@@ -289,7 +289,8 @@ def _key_blocks(t: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch
 
 def _own_tile(block_size: int) -> int:
     """Rows per causal tile of an own block: the CPU kernel computes a causal square at the cost of the full one,
-    so blocks of 256+ keys run as causal tiles of 128 plus unmasked earlier-tile pieces (5/8 of the work at 512)."""
+    so blocks of 256+ keys run as causal tiles of 128 plus unmasked earlier-tile pieces (5/8 of the work at 512),
+    forward and backward."""
     return _OWN_TILE if block_size % _OWN_TILE == 0 and block_size >= 2 * _OWN_TILE else block_size
 
 
@@ -387,18 +388,23 @@ def _backward(do, q, k, v, out, lse, plan: _Plan, block_size: int, scale: float,
     dk = torch.zeros(b, hkv, nb * bs, d, dtype=dtype, device=q.device)
     dv = torch.zeros(b, hkv, nb * bs, d, dtype=dtype, device=q.device)
     for bi, heads, kv, where, offset in _own_pieces(plan, b, hkv, g, bs, start):
-        if offset is None:
-            gq, gk, gv = _piece_bwd(
-                *(_blocks_view(t, bi, heads, start, where, bs).to(dtype) for t in (do, q)),
-                *(_blocks_view(t, bi, kv, 0, where, bs).to(dtype) for t in (k, v)),
-                _blocks_view(out, bi, heads, start, where, bs),
-                _blocks_view(lse, bi, heads, start, where, bs),
-                0,
-                scale,
-            )
-            _blocks_view(dq, bi, heads, start, where, bs).add_(gq)
-            _blocks_view(dk, bi, kv, 0, where, bs).add_(gk)
-            _blocks_view(dv, bi, kv, 0, where, bs).add_(gv)
+        if offset is None:  # the forward's tiles: causal tiles, then each later tile against earlier ones
+            dob, qb, ob, lb, dqb = (_blocks_view(t, bi, heads, start, where, bs) for t in (do, q, out, lse, dq))
+            kb, vb, dkb, dvb = (_blocks_view(t, bi, kv, 0, where, bs) for t in (k, v, dk, dv))
+            qb, kb, vb = qb.to(dtype), kb.to(dtype), vb.to(dtype)
+            tile = _own_tile(bs)
+            grads = _piece_bwd(*(_tiles(t, tile) for t in (dob, qb, kb, vb, ob, lb)), 0, scale)
+            for grad, acc in zip(grads, (dqb, dkb, dvb), strict=True):
+                _tiles(acc, tile).add_(grad)
+            for first in range(tile, bs, tile):
+                rows, keys = slice(first, first + tile), slice(0, first)
+                gq, gk, gv = _piece_bwd(
+                    dob[:, :, rows], qb[:, :, rows], kb[:, :, keys], vb[:, :, keys], ob[:, :, rows], lb[:, :, rows],
+                    None, scale,
+                )  # fmt: skip
+                dqb[:, :, rows].add_(gq)
+                dkb[:, :, keys].add_(gk)
+                dvb[:, :, keys].add_(gv)
         else:
             rows, keys = where
             gq, gk, gv = _piece_bwd(
