@@ -383,7 +383,7 @@ def _backward(do, q, k, v, out, lse, plan: _Plan, block_size: int, scale: float,
     hkv, nk = k.shape[1], k.shape[2]
     g, bs, start = hq // hkv, block_size, nk - nq
     nb = num_blocks(nk, bs)
-    do = do.to(dtype)
+    do = do.to(dtype).contiguous()  # e.g. the expanded gradient of out.sum(): gathers want real rows
     dq = torch.zeros(b, hq, nq, d, dtype=dtype, device=q.device)
     dk = torch.zeros(b, hkv, nb * bs, d, dtype=dtype, device=q.device)
     dv = torch.zeros(b, hkv, nb * bs, d, dtype=dtype, device=q.device)
