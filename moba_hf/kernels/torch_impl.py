@@ -2,7 +2,8 @@
 
 Work is split into *pieces*, each a small dense attention whose partial softmaxes are merged by log-sum-exp::
 
-    own block  : queries of block c  x  keys of block c (causal)   -- batched over blocks, GQA heads share K
+    own block  : queries of block c  x  keys of block c (causal)   -- batched over blocks, GQA heads share K;
+                 blocks of 256+ as causal 128-row tiles plus each tile against the block's earlier tiles
     gated block: the (head, query) rows that picked block j  x  keys of block j (no mask) -- one call per block
                  when blocks are picked by many rows, else padded chunks of several blocks per call
 
