@@ -296,8 +296,14 @@ def _own_tile(block_size: int) -> int:
 
 
 def _tiles(t: torch.Tensor, tile: int) -> torch.Tensor:
-    """[n, H, bs, ...] (blocks of bs positions) -> [n * bs // tile, H, tile, ...] tiles, a view for _blocks_view's."""
+    """[n, H, bs, ...] (blocks of bs positions) -> [n * bs // tile, H, tile, ...] tiles to read (may be a copy)."""
     return t.unflatten(2, (-1, tile)).transpose(1, 2).flatten(0, 1)
+
+
+def _untile(t: torch.Tensor, blocks: int) -> torch.Tensor:
+    """Inverse of `_tiles` as a view: [n * T, H, tile, ...] -> [n, H, T, tile, ...]; write it into
+    `x.unflatten(2, (-1, tile))`, which is always a view of x, so nothing is written to a silent copy."""
+    return t.unflatten(0, (blocks, -1)).transpose(1, 2)
 
 
 def _blocks_view(t: torch.Tensor, bi: int, heads: slice, first: int, blocks: tuple[int, int], bs: int) -> torch.Tensor:
@@ -337,8 +343,8 @@ def _forward(q, k, v, plan: _Plan, block_size: int, scale: float, dtype: torch.d
             ob, lb = _blocks_view(out, bi, heads, start, where, bs), _blocks_view(lse, bi, heads, start, where, bs)
             tile = _own_tile(bs)
             o, l_ = attention_with_lse(_tiles(qb, tile), _tiles(kb, tile), _tiles(vb, tile), 0, scale)
-            _tiles(ob, tile).copy_(o)
-            _tiles(lb, tile).copy_(l_)
+            ob.unflatten(2, (-1, tile)).copy_(_untile(o, ob.shape[0]))
+            lb.unflatten(2, (-1, tile)).copy_(_untile(l_, lb.shape[0]))
             for first in range(tile, bs, tile):  # each later tile's rows also see the block's earlier tiles
                 rows = slice(first, first + tile)
                 o, l_ = attention_with_lse(qb[:, :, rows], kb[:, :, :first], vb[:, :, :first], None, scale)
@@ -396,7 +402,7 @@ def _backward(do, q, k, v, out, lse, plan: _Plan, block_size: int, scale: float,
             tile = _own_tile(bs)
             grads = _piece_bwd(*(_tiles(t, tile) for t in (dob, qb, kb, vb, ob, lb)), 0, scale)
             for grad, acc in zip(grads, (dqb, dkb, dvb), strict=True):
-                _tiles(acc, tile).add_(grad)
+                acc.unflatten(2, (-1, tile)).add_(_untile(grad, acc.shape[0]))
             for first in range(tile, bs, tile):
                 rows, keys = slice(first, first + tile), slice(0, first)
                 gq, gk, gv = _piece_bwd(
