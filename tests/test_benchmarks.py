@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -20,3 +22,16 @@ def test_bench_attention_verifies_then_writes_rows(tmp_path):
     assert {r["mode"] for r in rows} == {"fwd", "fwd+bwd"}
     assert all(r["backend"] == "torch" and r["pooling"] == "bound" and r["sink_blocks"] == "1" for r in rows)
     assert all(float(r["sdpa_min_s"]) > 0 and float(r["moba_min_s"]) > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_bench_model_verifies_bfloat16_then_writes_a_row(tmp_path):
+    out = tmp_path / "model.csv"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_model.py"), "--tokens", "160", "--block-size", "32"]
+    cmd += ["--dtype", "bfloat16", "--csv", str(out), "--threads", "1"]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "vs float32 sdpa" in res.stdout and "(bfloat16 sdpa:" in res.stdout
+    (row,) = list(csv.DictReader(out.open()))
+    assert row["model"] == "SmolLM2-135M-Instruct bfloat16" and row["tokens"] == "160" and row["block_size"] == "32"
+    assert float(row["sdpa_min_s"]) > 0 and float(row["moba_min_s"]) > 0
