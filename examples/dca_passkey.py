@@ -33,8 +33,8 @@ def settings(args: argparse.Namespace) -> dict[str, MobaConfig | None]:
     dca = DcaConfig(
         pretraining_length=args.pretraining_length, chunk_size=args.chunk_size, temperature=args.temperature
     )
-    if args.moba_config:  # e.g. configs/training_free.toml: its MoBA fields, with DCA added
-        sparse = dataclasses.replace(MobaConfig.from_file(args.moba_config), dca=dca)
+    if args.moba_config:  # e.g. training-free: its MoBA fields, with DCA added
+        sparse = dataclasses.replace(MobaConfig.from_spec(args.moba_config), dca=dca)
         sparse_name = f"DCA + MoBA {Path(args.moba_config).stem}"
     else:
         sparse = MobaConfig(block_size=args.block_size, top_k=args.top_k, dca=dca)
@@ -79,8 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--moba-config",
         default=None,
-        help="MoBA config file for the sparse setting (instead of "
-        "--block-size / --top-k), e.g. configs/training_free.toml",
+        help="MoBA preset name (training-free) or config file for the sparse setting (instead of --block-size / --top-k)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write every trial to this JSON file")

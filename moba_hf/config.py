@@ -150,21 +150,58 @@ class MobaConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MobaConfig:
+        """From our keys (top level or under `moba`), the seed-style server keys or the reference MoBA's
+        `moba_chunk_size` / `moba_topk`. Every key is used or refused; serving options are refused here
+        (`read_config` returns them)."""
         if isinstance(data, MobaConfig):
             return data
-        if not isinstance(data, Mapping):
-            raise ValueError(f"a MoBA config must be a mapping, got {type(data).__name__}")
-        section = data.get("moba", data)  # files may nest the settings under [moba]
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(section) - known)
-        if unknown:
-            raise ValueError(f"unknown MoBA config keys {unknown}; valid keys: {sorted(known)}")
-        return cls(**dict(section))
+        settings = read_config(data)
+        if settings.serving:
+            raise ValueError(
+                f"{', '.join(f'{k}={v!r}' for k, v in settings.serving.items())}: serving options, not MoBA "
+                "settings; the vLLM plugin takes them from the same file (MOBA_HF_CONFIG), or remove them"
+            )
+        return settings.moba
 
     @classmethod
     def from_file(cls, path: str | Path) -> MobaConfig:
         """Load from a .toml, .json or .yaml/.yml file (settings at top level or under a `moba` table)."""
-        return cls.from_dict(load_mapping(path))
+        data = load_mapping(path)
+        try:
+            return cls.from_dict(data)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
+
+    @classmethod
+    def preset(cls, name: str) -> MobaConfig:
+        """A named preset shipped with the package (`moba-hf presets` lists them), e.g. "training-free"."""
+        from . import presets
+
+        return cls.from_file(presets.path(name))
+
+    @classmethod
+    def from_spec(cls, spec: MobaConfig | Mapping[str, Any] | str | Path | None) -> MobaConfig:
+        """A MobaConfig, a mapping, a preset name or a config file path; None gives the defaults."""
+        if spec is None:
+            return cls()
+        if isinstance(spec, MobaConfig):
+            return spec
+        if isinstance(spec, Mapping):
+            return cls.from_dict(spec)
+        if isinstance(spec, (str, Path)):
+            from . import presets
+
+            if isinstance(spec, str) and spec in presets.names():
+                return cls.preset(spec)
+            if Path(spec).is_file():
+                return cls.from_file(spec)
+            raise ValueError(
+                f"MoBA config {str(spec)!r} is neither a preset ({', '.join(presets.names())}) nor an existing "
+                ".toml / .json / .yaml file"
+            )
+        raise ValueError(
+            f"a MoBA config must be a MobaConfig, a mapping, a preset name or a file path, got {type(spec).__name__}"
+        )
 
     def replace(self, **changes: Any) -> MobaConfig:
         return dataclasses.replace(self, **changes)
@@ -179,22 +216,159 @@ class MobaConfig:
 
 
 def load_mapping(path: str | Path) -> dict[str, Any]:
-    """Read a TOML / JSON / YAML file into a dict."""
+    """Read a TOML / JSON / YAML file into a dict; errors name the file, an empty file is refused."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file not found: {path}")
     suffix = path.suffix.lower()
-    if suffix == ".toml":
-        return tomllib.loads(path.read_text())
-    if suffix == ".json":
-        return json.loads(path.read_text())
-    if suffix in (".yaml", ".yml"):
-        import yaml
+    text = path.read_text()
+    if suffix not in (".toml", ".json", ".yaml", ".yml"):
+        raise ValueError(f"config file {path} must end in .toml, .json, .yaml or .yml, got {suffix!r}")
+    try:
+        if suffix == ".toml":
+            data = tomllib.loads(text)
+        elif suffix == ".json":
+            data = json.loads(text) if text.strip() else None
+        else:
+            import yaml
 
-        return yaml.safe_load(path.read_text()) or {}
-    raise ValueError(f"config file {path} must end in .toml, .json, .yaml or .yml, got {suffix!r}")
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError as err:
+                raise ValueError(f"{path}: invalid YAML: {err}") from None
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: invalid {suffix[1:].upper()}: {err}") from None
+    if not data:
+        raise ValueError(f"config file {path} is empty: give settings (or remove the file to use the defaults)")
+    if not isinstance(data, Mapping):
+        raise ValueError(f"config file {path} must hold a table of settings, got {type(data).__name__}")
+    return dict(data)
 
 
-def flop_ratio(config: MobaConfig, seq_len: int) -> float:
-    """Dense causal attention pairs divided by MoBA's attended pairs (the ideal speed-up)."""
-    return 1.0 / max(1.0 - config.theoretical_sparsity(seq_len), math.ulp(1.0))
+# --- other vocabularies ---------------------------------------------------------------------------
+# Seed-style server configs and the reference MoBA code name the same settings differently.
+ALIASES = {
+    "top_k_blocks": "top_k",
+    "moba_topk": "top_k",
+    "moba_chunk_size": "block_size",
+    "score_pooling": "pooling",
+}
+# MoBA always attends the current block, causally: these may only say so.
+ALWAYS_TRUE = {
+    "force_current_block": "MoBA always attends the query's own block",
+    "causal_mask": "MoBA attention is causal (a query never sees a later key)",
+}
+SERVING_KEYS = ("kv_cache_dtype", "max_context_tokens")
+_NESTED = {  # nested TOML: (table path, key) -> flat seed key
+    ("attention", "type"): "attention_type",
+    ("attention", "fallback", "enable"): "enable_full_attention_fallback",
+    ("attention", "fallback", "layers"): "fallback_layers",
+    ("attention", "kv_cache", "dtype"): "kv_cache_dtype",
+    ("attention", "kv_cache", "max_context_tokens"): "max_context_tokens",
+}
+_METADATA_TABLES = ("about",)  # preset descriptions, not settings
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigSettings:
+    """What a config file or mapping holds: the MobaConfig and any serving options (vLLM's side)."""
+
+    moba: MobaConfig
+    serving: dict[str, Any]
+
+
+def read_config_file(path: str | Path) -> ConfigSettings:
+    """`read_config` of a file (the vLLM plugin reads server configs this way)."""
+    data = load_mapping(path)
+    try:
+        return read_config(data)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+
+
+def _flatten_attention_table(table: Any) -> dict[str, Any]:
+    if not isinstance(table, Mapping):
+        raise ValueError(f"the [attention] table must be a table of settings, got {table!r}")
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: tuple[str, ...], node: Mapping[str, Any]) -> None:
+        for key, value in node.items():
+            here = (*prefix, key)
+            if isinstance(value, Mapping):
+                walk(here, value)
+            else:
+                flat[_NESTED.get(here, ".".join(here[1:]))] = value
+
+    walk(("attention",), table)
+    return flat
+
+
+def read_config(data: Mapping[str, Any]) -> ConfigSettings:
+    """Map any supported vocabulary to a MobaConfig plus serving options; refuse every key without a use."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"a MoBA config must be a table of settings, got {type(data).__name__} {data!r}")
+    data = {k: v for k, v in data.items() if k not in _METADATA_TABLES}
+    for table in ("moba", "attention"):
+        if table in data:
+            rest = sorted(set(data) - {table})
+            if rest:
+                raise ValueError(
+                    f"keys {rest} sit beside the [{table}] table and would be ignored: move them into [{table}] "
+                    "or remove them"
+                )
+            inner = data[table]
+            if table == "moba":
+                if not isinstance(inner, Mapping):
+                    raise ValueError(f"moba must be a table of settings, got {type(inner).__name__} {inner!r}")
+                data = dict(inner)
+            else:
+                data = _flatten_attention_table(inner)
+    fields: dict[str, Any] = {}
+    serving: dict[str, Any] = {}
+    known = {f.name for f in dataclasses.fields(MobaConfig)}
+    unknown = []
+    fallback_enabled = data.get("enable_full_attention_fallback")
+    if fallback_enabled is not None and not isinstance(fallback_enabled, bool):
+        raise ValueError(f"enable_full_attention_fallback must be true or false, got {fallback_enabled!r}")
+    for key, value in data.items():
+        if key in known:
+            target = key
+        elif key in ALIASES:
+            target = ALIASES[key]
+        elif key in ALWAYS_TRUE:
+            if value is not True:
+                raise ValueError(f"{key} = {value!r} is not possible: {ALWAYS_TRUE[key]}; it may only be true")
+            continue
+        elif key in SERVING_KEYS:
+            serving[key] = value
+            continue
+        elif key == "attention_type":
+            if value not in ("moba", "full"):
+                raise ValueError(f"attention_type must be 'moba' or 'full', got {value!r}")
+            target, value = "sparse", value == "moba"
+        elif key == "enable_full_attention_fallback":
+            continue  # read with fallback_layers
+        elif key == "fallback_layers":
+            if fallback_enabled is False and value:
+                raise ValueError(
+                    f"fallback_layers = {value!r} contradicts enable_full_attention_fallback = false: "
+                    "enable it, or set fallback_layers = 0"
+                )
+            target = "full_attn_layer_ids" if isinstance(value, (list, tuple)) else "full_attn_layers"
+        elif key == "flash_attn_version":
+            if value != 2:
+                raise ValueError(f"flash_attn_version must be 2 (the flash backend uses flash-attn 2), got {value!r}")
+            target, value = "backend", "flash"
+        else:
+            unknown.append(key)
+            continue
+        if target in fields:
+            raise ValueError(f"{target} is given twice (as {key!r} and under another name); keep one")
+        fields[target] = value
+    if unknown:
+        raise ValueError(f"unknown MoBA config keys {sorted(unknown)}; valid keys: {sorted(known)}")
+    if fallback_enabled and "full_attn_layers" not in fields and "full_attn_layer_ids" not in fields:
+        raise ValueError("enable_full_attention_fallback = true needs fallback_layers (how many last layers are dense)")
+    if isinstance(fields.get("pooling"), str) and fields["pooling"] == "avg":
+        fields["pooling"] = "mean"
+    return ConfigSettings(MobaConfig(**fields), serving)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,8 @@ def local_path(name: str = "smollm2") -> Path:
     target = cache_root() / EMBEDDED[name][2]
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError("dequantizing the embedded model needs gguf: pip install 'moba-hf[demo]' (or gguf)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     logger.warning("moba_hf: dequantizing %s once into %s", gguf.name, target)
@@ -61,7 +64,9 @@ def local_path(name: str = "smollm2") -> Path:
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    if not target.exists():  # another process may have finished first
+    if target.exists():  # another process finished first: keep its copy
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
         tmp.replace(target)
     return target
 

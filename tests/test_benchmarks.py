@@ -14,13 +14,14 @@ def test_bench_attention_verifies_then_writes_rows(tmp_path):
     out = tmp_path / "attention.csv"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_attention.py"), "--lengths", "300", "--repeats", "1"]
     cmd += ["--block-size", "32", "--top-k", "3", "--pooling", "bound", "--sink-blocks", "1"]
-    cmd += ["--memory-lengths", "300", "--csv", str(out), "--threads", "1"]
+    cmd += ["--memory-lengths", "300", "--csv", str(out), "--threads", "1", "--busy", "1"]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "verify torch: max abs error vs reference" in res.stdout and "-> ok" in res.stdout
     rows = list(csv.DictReader(out.open()))
     assert {r["mode"] for r in rows} == {"fwd", "fwd+bwd"}
     assert all(r["backend"] == "torch" and r["pooling"] == "bound" and r["sink_blocks"] == "1" for r in rows)
+    assert all(r["busy"] == "1" for r in rows)
     assert all(float(r["sdpa_min_s"]) > 0 and float(r["moba_min_s"]) > 0 for r in rows)
 
 

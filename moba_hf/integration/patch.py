@@ -18,13 +18,8 @@ ConfigLike = MobaConfig | Mapping[str, Any] | str | Path | None
 
 
 def as_moba_config(config: ConfigLike) -> MobaConfig:
-    if config is None:
-        return MobaConfig()
-    if isinstance(config, MobaConfig):
-        return config
-    if isinstance(config, (str, Path)):
-        return MobaConfig.from_file(config)
-    return MobaConfig.from_dict(config)
+    """A MobaConfig from a MobaConfig, a mapping, a preset name or a file path (None: the defaults)."""
+    return MobaConfig.from_spec(config)
 
 
 def apply(model: Any, config: ConfigLike = None) -> Any:
@@ -34,7 +29,7 @@ def apply(model: Any, config: ConfigLike = None) -> Any:
     """
     check_supported(model.config)
     if config is None and getattr(model.config, "moba_config", None) is not None:
-        moba = MobaConfig.from_dict(model.config.moba_config)
+        moba = as_moba_config(model.config.moba_config)
     else:
         moba = as_moba_config(config)
     moba.full_layer_set(model.config.num_hidden_layers)  # validates explicit layer ids now, not mid-forward
@@ -55,7 +50,7 @@ def revert(model: Any) -> Any:
     delattr(model, _PREVIOUS)
     remove_hooks(model)  # the cache hooks moba attention installed on its first call
     if moba_config is None:
-        if hasattr(model.config, "moba_config"):
+        if "moba_config" in vars(model.config):
             del model.config.moba_config
     else:
         model.config.moba_config = moba_config
@@ -64,12 +59,21 @@ def revert(model: Any) -> Any:
 
 
 def from_pretrained(name_or_path: str | Path, moba: ConfigLike = None, **kwargs: Any) -> Any:
-    """AutoModelForCausalLM.from_pretrained(..., attn_implementation="moba"), with `moba` as the config
-    (None: the checkpoint's own moba_config, or the defaults)."""
+    """AutoModelForCausalLM.from_pretrained(..., attn_implementation="moba"), with `moba` as the config: a
+    MobaConfig, a mapping, a preset name ("training-free") or a file (None: the checkpoint's own moba_config,
+    or the defaults)."""
     from transformers import AutoModelForCausalLM
 
     register()
     kwargs.setdefault("attn_implementation", NAME)
+    if moba is not None and kwargs["attn_implementation"] != NAME:
+        raise ValueError(
+            f"moba={moba!r} asks for MoBA but attn_implementation={kwargs['attn_implementation']!r} attends "
+            "densely: drop one of them"
+        )
+    if moba is not None and kwargs.get("moba_config") is not None:
+        raise ValueError("give the MoBA config once: moba=... or moba_config=..., not both")
+    moba = as_moba_config(moba) if moba is not None else None  # a bad preset or file fails before loading
     model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
     if kwargs["attn_implementation"] != NAME:
         return model

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Any
 
 import torch
@@ -10,6 +12,10 @@ from .attention import moba_attention_forward
 from .layout import padding_mask_2d
 
 NAME = "moba"
+CONFIG_FIELD = "moba_config"
+
+logger = logging.getLogger("moba_hf")
+_told_dense: set[int] = set()
 
 
 def moba_mask(
@@ -38,9 +44,36 @@ def moba_mask(
 
 
 def register() -> None:
-    """Register "moba" with `AttentionInterface` and `AttentionMaskInterface` (idempotent)."""
-    from transformers import AttentionInterface
+    """Register "moba" with `AttentionInterface` and `AttentionMaskInterface` (idempotent), and make
+    `moba_config` a known config field, so `from_pretrained(path, attn_implementation="moba",
+    moba_config="training-free")` lands in `model.config` like any other config keyword."""
+    from transformers import AttentionInterface, PreTrainedConfig, PreTrainedModel
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, moba_attention_forward)
     AttentionMaskInterface.register(NAME, moba_mask)
+    if not hasattr(PreTrainedConfig, CONFIG_FIELD):
+        setattr(PreTrainedConfig, CONFIG_FIELD, None)  # class default: instances without one read None
+    check = getattr(PreTrainedModel, "_check_and_adjust_attn_implementation", None)
+    if check is not None and not getattr(check, "_moba_wrapped", False):
+        PreTrainedModel._check_and_adjust_attn_implementation = _tell_when_dense(check)
+
+
+def _tell_when_dense(check: Any) -> Any:
+    """Log once per model config when a checkpoint that carries a moba_config loads with another attention."""
+
+    @functools.wraps(check)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        chosen = check(self, *args, **kwargs)
+        config = getattr(self, "config", None)
+        if chosen != NAME and CONFIG_FIELD in getattr(config, "__dict__", {}) and id(config) not in _told_dense:
+            _told_dense.add(id(config))
+            logger.warning(
+                "moba_hf: this checkpoint carries a moba_config but loads with attn_implementation=%r, so it "
+                'attends densely; pass attn_implementation="moba" to use MoBA',
+                chosen,
+            )
+        return chosen
+
+    wrapper._moba_wrapped = True
+    return wrapper

@@ -1,0 +1,49 @@
+"""A wheel built from the repository carries the presets and runs outside the repository."""
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def wheel_site(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wheel")
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-w", str(out)], check=True)
+    (wheel,) = out.glob("moba_hf-*.whl")
+    site = out / "site"
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True)
+    return wheel, site
+
+
+def _run_outside(site: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
+    for key in ("MOBA_HF_CACHE", "MOBA_HF_GGUF", "OMP_NUM_THREADS"):
+        if key in os.environ:
+            env[key] = os.environ[key]
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_wheel_ships_presets_and_task_files(wheel_site):
+    wheel, _ = wheel_site
+    names = zipfile.ZipFile(wheel).namelist()
+    presets = {n for n in names if n.startswith("moba_hf/presets/") and n.endswith(".toml")}
+    assert {"moba_hf/presets/training-free.toml", "moba_hf/presets/paper-8k.toml"} <= presets
+    assert any(n.endswith("lm_eval_tasks/moba_passkey.yaml") for n in names)
+
+
+@pytest.mark.slow
+def test_wheel_runs_the_demo_with_the_preset_outside_the_repo(wheel_site, tmp_path):
+    _, site = wheel_site
+    where = _run_outside(site, tmp_path, "-c", "import moba_hf; print(moba_hf.__file__)")
+    assert where.returncode == 0, where.stderr
+    assert where.stdout.strip().startswith(str(site)), where.stdout  # the wheel's copy, not the checkout
+    demo = _run_outside(site, tmp_path, "-m", "moba_hf.cli", "demo", "--lengths", "256", "--trials", "1")
+    assert demo.returncode == 0, demo.stderr[-3000:]
+    assert "MoBA: MobaConfig(block_size=64, top_k=12, full_attn_layers=3, pooling=bound" in demo.stdout
