@@ -2,17 +2,19 @@
 
 import argparse
 import json
+import os
 
 import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from moba_hf import cli
 from moba_hf.config import MobaConfig
 from moba_hf.eval import cli as eval_cli
 from moba_hf.eval.niah import Haystack, score_answer
 from moba_hf.eval.passkey import build_prompt, first_integer, passkey_eval, passkey_line, run_trial, score
 from moba_hf.eval.ppl import window_nll, windows
-from moba_hf.eval.runner import TRIALS_FILE, ResultStore, greedy_decode
+from moba_hf.eval.runner import RUN_FILE, TRIALS_FILE, ResultStore, RunMismatch, greedy_decode
 from moba_hf.eval.settings import (
     Setting,
     load_settings_file,
@@ -32,10 +34,7 @@ def tiny(tiny_dir):
 
 
 def run_cli(*argv: str) -> int:
-    parser = argparse.ArgumentParser()
-    eval_cli.add_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(list(argv))
-    return args.func(args)
+    return cli.main(list(argv))
 
 
 def read_trials(out) -> list[dict]:
@@ -143,8 +142,11 @@ def test_parse_settings(tmp_path):
         parse_setting("moba:blocksize=64")
     with pytest.raises(ValueError, match="unique"):
         resolve_settings(["sdpa", "sdpa"])
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ValueError, match="neither a preset"):
         parse_setting("moba:missing.toml")
+    assert parse_setting("moba:training-free") == Setting("training-free", "moba", MobaConfig.preset("training-free"))
+    assert parse_setting("b64-k12-f3") == Setting("b64-k12-f3", "moba", MobaConfig(block_size=64, top_k=12,
+                                                                                   full_attn_layers=3))  # fmt: skip
 
 
 def test_use_setting_switches_and_restores(tiny):
@@ -152,7 +154,7 @@ def test_use_setting_switches_and_restores(tiny):
     with use_setting(tiny, parse_setting("moba:block_size=16,top_k=2")):
         assert tiny.config._attn_implementation == "moba"
         assert tiny.config.moba_config["block_size"] == 16
-    assert tiny.config._attn_implementation == "sdpa" and not hasattr(tiny.config, "moba_config")
+    assert tiny.config._attn_implementation == "sdpa" and getattr(tiny.config, "moba_config", None) is None
     with pytest.raises(RuntimeError, match="boom"), use_setting(tiny, Setting("eager", "eager")):
         assert tiny.config._attn_implementation == "eager"
         raise RuntimeError("boom")
@@ -212,7 +214,7 @@ def test_sliding_windows_score_each_token_once(n, length, stride):
 # --- the commands end to end --------------------------------------------------------------------------
 
 
-def test_passkey_command_end_to_end_resume_and_failure(tiny_dir, tmp_path):
+def test_passkey_command_end_to_end_resume_and_failure(tiny_dir, tmp_path, capsys):
     out = tmp_path / "pk"
     argv = ["eval", "passkey", "--model", str(tiny_dir), "--lengths", "64,128", "--depths", "0,1", "--trials", "2",
             "--attn", "sdpa", "--attn", "moba:block_size=16,top_k=2", "--attn", "bad=moba:full_attn_layer_ids=[7]",
@@ -245,9 +247,9 @@ def test_passkey_command_end_to_end_resume_and_failure(tiny_dir, tmp_path):
     assert run_cli(*argv, "--attn", "k1=moba:block_size=16,top_k=1") == 0
     new = read_trials(out)[lines:]
     assert len(new) == 8 and {t["setting"] for t in new} == {"k1"}
-    # changing the task parameters in the same directory is refused
-    with pytest.raises(ValueError, match="another output directory"):
-        run_cli(*[a if a != "2" else "3" for a in argv])
+    # changing the task parameters in the same directory is refused, naming the parameter and both values
+    assert run_cli(*[a if a != "2" else "3" for a in argv]) == 2
+    assert "trials=2, this run has trials=3" in capsys.readouterr().err
 
 
 def test_all_settings_failing_is_reported_not_raised(tiny_dir, tmp_path):
@@ -266,14 +268,12 @@ def test_niah_command_with_haystack_directory(tiny_dir, tmp_path):
     out = tmp_path / "niah"
     assert run_cli("eval", "niah", "--model", str(tiny_dir), "--lengths", "96,160", "--depths", "0,0.5,1",
                    "--trials", "1", "--attn", "sdpa", "--attn", "moba:block_size=32,top_k=2",
-                   "--haystack", str(hay), "--out", str(out), "--no-progress") == 0  # fmt: skip
+                   "--text", str(hay), "--out", str(out), "--no-progress") == 0  # fmt: skip
     results = json.loads((out / "results.json").read_text())
     assert len(results["trials"]) == 2 * 2 * 3
     assert all(len(t["expected"]) == 7 and t["prompt_tokens"] <= t["length"] + 1 for t in results["trials"])
     assert (out / "niah_heatmap.png").stat().st_size > 1000
     assert "needle in a haystack" in (out / "summary.md").read_text()
-    with pytest.raises(ValueError, match="answer"):
-        run_cli("eval", "niah", "--model", str(tiny_dir), "--needle", "No placeholder.", "--out", str(out / "x"))
 
 
 @pytest.mark.parametrize("mode", ["first", "sliding"])
@@ -305,8 +305,70 @@ def test_result_store_refuses_a_changed_setting(tmp_path):
     store.write([], "")
     again = ResultStore(tmp_path, "passkey", {"a": 1}, {"name": "m"})
     again.add_setting(parse_setting("x=moba:top_k=2"))
-    with pytest.raises(ValueError, match="rename it"):
+    with pytest.raises(RunMismatch, match="has moba.top_k=2, this run defines it with moba.top_k=3"):
         again.add_setting(parse_setting("x=moba:top_k=3"))
+
+
+def _interrupt_after(monkeypatch, n: int) -> None:
+    """Ctrl-C in the middle of a run: the (n + 1)-th decode raises KeyboardInterrupt."""
+    import moba_hf.eval.passkey as passkey
+
+    calls = []
+
+    def decode(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > n:
+            raise KeyboardInterrupt
+        return greedy_decode(*args, **kwargs)
+
+    monkeypatch.setattr(passkey, "greedy_decode", decode)
+
+
+def test_resume_after_an_interrupt_refuses_another_experiment(tiny, tokenizer, tmp_path, monkeypatch):
+    grid = {"lengths": [64], "depths": [0.0, 1.0], "trials": 2, "out_dir": tmp_path, "progress": False}
+    _interrupt_after(monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt):
+        passkey_eval(tiny, tokenizer, ["x=moba:block_size=16,top_k=2"], seed=1, max_new_tokens=2, **grid)
+    monkeypatch.undo()
+    assert len(read_trials(tmp_path)) == 3 and (tmp_path / RUN_FILE).is_file()
+    assert not (tmp_path / "results.json").exists()
+    # the parameters were recorded before the first trial: another seed is refused with both values
+    with pytest.raises(RunMismatch, match="seed=1, this run has seed=2: .* new --out"):
+        passkey_eval(tiny, tokenizer, ["x=moba:block_size=16,top_k=2"], seed=2, max_new_tokens=2, **grid)
+    # so is a setting name redefined, before any trial runs
+    with pytest.raises(RunMismatch, match="'x' .* has moba.block_size=16, this run defines it with moba.block_size=32"):
+        passkey_eval(tiny, tokenizer, ["x=moba:block_size=32,top_k=2"], seed=1, max_new_tokens=2, **grid)
+    assert len(read_trials(tmp_path)) == 3
+    result = passkey_eval(tiny, tokenizer, ["x=moba:block_size=16,top_k=2"], seed=1, max_new_tokens=2, **grid)
+    assert len(result.records) == 4 and len(read_trials(tmp_path)) == 4
+
+
+def test_run_json_records_what_plain_moba_ran(tiny, tokenizer, tmp_path):
+    grid = {"lengths": [64], "depths": [0.5], "trials": 1, "out_dir": tmp_path, "progress": False}
+    passkey_eval(tiny, tokenizer, ["moba"], max_new_tokens=1, **grid)
+    run = json.loads((tmp_path / RUN_FILE).read_text())
+    assert run["settings"]["moba"]["moba"] == MobaConfig().to_dict()  # the defaults, spelled out
+    assert run["params"]["seed"] == 0 and run["task"] == "passkey" and run["model"]["layers"] == 2
+
+
+def test_a_torn_last_line_is_dropped_and_its_trial_rerun(tiny, tokenizer, tmp_path, caplog):
+    grid = {"lengths": [64], "depths": [0.5], "trials": 3, "out_dir": tmp_path, "progress": False}
+    passkey_eval(tiny, tokenizer, ["sdpa"], max_new_tokens=2, **grid)
+    trials = tmp_path / TRIALS_FILE
+    whole = trials.read_bytes()
+    trials.write_bytes(whole[: len(whole) - 25])  # killed in the middle of writing the last line
+    result = passkey_eval(tiny, tokenizer, ["sdpa"], max_new_tokens=2, **grid)
+    assert "dropped the incomplete last line" in caplog.text
+    assert len(result.records) == 3
+    assert [t["trial"] for t in read_trials(tmp_path)] == [0, 1, 2]
+    assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]  # every file was replaced whole
+
+
+def test_a_corrupt_middle_line_is_refused_with_its_line_number(tmp_path):
+    (tmp_path / RUN_FILE).write_text(json.dumps({"task": "passkey", "model": {}, "params": {}, "settings": {}}))
+    (tmp_path / TRIALS_FILE).write_text('{"key": "a"}\nnot json\n{"key": "b"}\n')
+    with pytest.raises(ValueError, match="line 2 is not a trial record"):
+        ResultStore(tmp_path, "passkey", {}, {})
 
 
 def test_load_texts_sources(tmp_path):

@@ -1,4 +1,4 @@
-"""The training-free sweep (issue 8) on a tiny random Llama with the embedded tokenizer."""
+"""The training-free sweep on a tiny random Llama with the embedded tokenizer."""
 
 import json
 
@@ -6,9 +6,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from moba_hf import MobaConfig
+from moba_hf import MobaConfig, cli
 from moba_hf.eval import sweep
-from moba_hf.eval.passkey import passkey_line
+from moba_hf.eval.passkey import build_prompt, cell_prompt, trial_passkey
+from moba_hf.eval.runner import TRIALS_FILE, RunMismatch
 
 
 @pytest.fixture(scope="module")
@@ -21,17 +22,13 @@ def tiny(tokenizer):
     return LlamaForCausalLM(config).eval()
 
 
-def test_prompts_have_exact_length_and_the_needle_at_its_depth(tokenizer):
-    prompts = sweep.passkey_token_prompts(tokenizer, 300, [0.0, 0.5, 1.0], [11111, 22222, 33333])
-    assert prompts.shape == (3, 300)
-    needle = tokenizer(" " + passkey_line(22222), add_special_tokens=False).input_ids
-    row = prompts[1].tolist()
-    starts = [i for i in range(300 - len(needle)) if row[i : i + len(needle)] == needle]
-    assert len(starts) == 1 and 100 < starts[0] < 200
-    text = tokenizer.decode(prompts[2])
-    assert text.rstrip().endswith("What is the pass key? The pass key is")
-    with pytest.raises(ValueError, match="length=20 is too short"):
-        sweep.passkey_token_prompts(tokenizer, 20, [0.5], [12345])
+def test_the_sweep_uses_the_passkey_prompt_of_its_cells(tokenizer):
+    cells = [c for c in sweep.sweep_cells([300], 3, 96) if c["task"] == "passkey"]
+    assert [c["depth"] for c in cells] == [0.5 / 3, 1.5 / 3, 2.5 / 3]
+    ids, key = cell_prompt(tokenizer, 0, 300, cells[1]["depth"], 1)
+    assert key == trial_passkey(0, 300, cells[1]["depth"], 1)
+    assert ids == tokenizer(build_prompt(tokenizer, 300, cells[1]["depth"], key)).input_ids and len(ids) <= 300
+    assert sweep.sweep_cells([300], 3, 96)[-1] == {"task": "ppl", "length": 96}
 
 
 def test_pareto_front_keeps_only_undominated_settings():
@@ -46,38 +43,61 @@ def test_pareto_front_keeps_only_undominated_settings():
 def test_sweep_writes_table_plot_and_resumes(tiny, tokenizer, tmp_path):
     grid = [("sdpa", None), ("b16-k2", MobaConfig(block_size=16, top_k=2)), ("bad", MobaConfig(full_attn_layers=9))]
     text = torch.randint(0, len(tokenizer), (1, 96))
-    rows = sweep.run_sweep(
-        tiny, tokenizer, grid, lengths=[64, 96], trials=2, text_ids=text, out_dir=tmp_path, batch=2, progress=False
-    )
+    run = {"lengths": [80, 128], "trials": 2, "text_ids": text, "out_dir": tmp_path, "batch": 2, "progress": False}
+    rows = sweep.run_sweep(tiny, tokenizer, grid, **run)
     by_name = {r.name: r for r in rows}
-    assert by_name["sdpa"].sparsity[96] == 0.0
-    assert by_name["b16-k2"].sparsity[96] == pytest.approx(MobaConfig(block_size=16, top_k=2).theoretical_sparsity(96))
+    assert by_name["sdpa"].sparsity[128] == 0.0
+    trials = [json.loads(line) for line in (tmp_path / TRIALS_FILE).read_text().splitlines()]
+    tokens = {t["prompt_tokens"] for t in trials if t["setting"] == "b16-k2" and t["length"] == 128}
+    expected = [MobaConfig(block_size=16, top_k=2).theoretical_sparsity(n) for n in tokens]
+    assert by_name["b16-k2"].sparsity[128] == pytest.approx(sum(expected) / len(expected))
     assert by_name["b16-k2"].ppl is not None and by_name["b16-k2"].error is None
     assert "full_attn_layers=9 exceeds" in by_name["bad"].error
+    assert {t["batch"] for t in trials if t.get("task") == "passkey"} == {2}  # both trials of a length in one forward
     table = (tmp_path / "pareto.md").read_text()
     assert "| b16-k2 |" in table and "failed: ValueError" in table
-    sweep.pareto_plot(rows, 96, tmp_path / "pareto.png")
+    sweep.pareto_plot(rows, 128, tmp_path / "pareto.png")
     assert (tmp_path / "pareto.png").stat().st_size > 1000
 
     saved = json.loads((tmp_path / "results.json").read_text())
     assert [r["name"] for r in saved["rows"]] == ["sdpa", "b16-k2", "bad"]
     calls = []
-    original = sweep.batched_passkey
-    sweep.batched_passkey = lambda *a, **k: calls.append(1) or original(*a, **k)
+    original = sweep.greedy_decode
+    sweep.greedy_decode = lambda *a, **k: calls.append(1) or original(*a, **k)
     try:
-        sweep.run_sweep(
-            tiny, tokenizer, grid, lengths=[64, 96], trials=2, text_ids=text, out_dir=tmp_path, batch=2, progress=False
-        )
+        sweep.run_sweep(tiny, tokenizer, grid, **run)
     finally:
-        sweep.batched_passkey = original
+        sweep.greedy_decode = original
     assert calls == []  # finished settings are not run again; the failed one fails again before any trial
 
     # a resumed run whose last rows are all reused still writes every row of its grid
-    sweep.run_sweep(
-        tiny, tokenizer, grid[::-1][1:], lengths=[64, 96], trials=2, text_ids=text, out_dir=tmp_path, progress=False
-    )
+    sweep.run_sweep(tiny, tokenizer, grid[::-1][1:], **run)
     saved = json.loads((tmp_path / "results.json").read_text())
     assert [r["name"] for r in saved["rows"]] == ["b16-k2", "sdpa"]
+
+
+@pytest.mark.parametrize("change", [{"trials": 3}, {"lengths": [80]}, {"batch": 1}, {"text_ids": None}])
+def test_sweep_resume_refuses_other_parameters(tiny, tokenizer, tmp_path, change):
+    run = {"lengths": [80, 128], "trials": 1, "text_ids": torch.arange(64)[None], "out_dir": tmp_path, "batch": 2,
+           "progress": False}  # fmt: skip
+    sweep.run_sweep(tiny, tokenizer, [("sdpa", None)], **run)
+    name = next(iter(change)).replace("text_ids", "ppl_sha1")
+    with pytest.raises(RunMismatch, match=f"{name}=.*this run has {name}="):
+        sweep.run_sweep(tiny, tokenizer, [("sdpa", None)], **{**run, **change})
+
+
+def test_sweep_command(tiny_dir, tmp_path, capsys):
+    text = tmp_path / "doc.txt"
+    text.write_text("A long enough document for the perplexity column. " * 40)
+    out = tmp_path / "sweep"
+    argv = ["eval", "sweep", "--model", str(tiny_dir), "--attn", "sdpa", "--attn", "b16=moba:block_size=16,top_k=2",
+            "--lengths", "80", "--trials", "2", "--batch", "2", "--text", str(text), "--ppl-length", "96",
+            "--out", str(out), "--no-progress"]  # fmt: skip
+    assert cli.main(argv) == 0
+    assert "| b16 |" in capsys.readouterr().out
+    assert {p.name for p in out.iterdir()} >= {"run.json", "trials.jsonl", "results.json", "pareto.md", "pareto.png"}
+    assert cli.main([*argv[:-3], "--trials", "3", "--out", str(out), "--no-progress"]) == 2
+    assert "trials=2, this run has trials=3" in capsys.readouterr().err
 
 
 def test_grid_entries_from_setting_strings():
@@ -88,3 +108,4 @@ def test_grid_entries_from_setting_strings():
     assert sweep.grid_entry("moba") == ("moba", MobaConfig())
     with pytest.raises(ValueError, match="compares 'sdpa' with MoBA settings; got attn_implementation 'eager'"):
         sweep.grid_entry("eager")
+    assert sweep.grid_entry("b64-k12-f3") == ("b64-k12-f3", MobaConfig(block_size=64, top_k=12, full_attn_layers=3))

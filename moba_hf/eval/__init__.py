@@ -1,4 +1,4 @@
-"""Long-context evaluation: passkey, needle-in-a-haystack, perplexity, lm-eval tasks.
+"""Long-context evaluation: passkey, needle-in-a-haystack, perplexity, the training-free sweep, lm-eval tasks.
 
 One loaded model, several attention settings switched with `moba_hf.apply` / `moba_hf.revert`:
 
@@ -6,28 +6,36 @@ One loaded model, several attention settings switched with `moba_hf.apply` / `mo
     result = passkey_eval(model, tokenizer, ["sdpa", "moba:block_size=64,top_k=16"], lengths=[2048], trials=5,
                           out_dir="runs/passkey")
     print(result.summary)          # Markdown table; results.json, summary.md and a heatmap PNG are in out_dir
+
+Names are imported on first use, so that `moba-hf --help` does not load the evaluation machinery.
 """
 
-from .niah import niah_eval, score_answer
-from .passkey import build_prompt, first_integer, passkey_eval, run_trial
-from .ppl import ppl_eval
-from .runner import EvalResult
-from .settings import Setting, load_settings_file, parse_setting, resolve_settings, use_setting
-from .texts import load_texts
+from __future__ import annotations
 
-__all__ = [
-    "EvalResult",
-    "Setting",
-    "build_prompt",
-    "first_integer",
-    "load_settings_file",
-    "load_texts",
-    "niah_eval",
-    "parse_setting",
-    "passkey_eval",
-    "ppl_eval",
-    "resolve_settings",
-    "run_trial",
-    "score_answer",
-    "use_setting",
-]
+import importlib
+from typing import Any
+
+_WHERE = {
+    "niah_eval": "niah",
+    "score_answer": "niah",
+    "build_prompt": "passkey",
+    "first_integer": "passkey",
+    "passkey_eval": "passkey",
+    "run_trial": "passkey",
+    "ppl_eval": "ppl",
+    "EvalResult": "runner",
+    "Setting": "settings",
+    "load_settings_file": "settings",
+    "parse_setting": "settings",
+    "resolve_settings": "settings",
+    "use_setting": "settings",
+    "load_texts": "texts",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)

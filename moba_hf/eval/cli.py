@@ -1,4 +1,8 @@
-"""`moba-hf eval {passkey,niah,ppl,lm-eval-data}` and the `moba-hf lm-eval ...` passthrough."""
+"""`moba-hf eval {passkey,niah,ppl,sweep,lm-eval-data}` and the `moba-hf lm-eval ...` passthrough.
+
+Every command checks its arguments (settings, model, output directory, texts against the lengths) before
+the model loads, then runs its grid through `runner.run_grid` into a resumable `--out` directory.
+"""
 
 from __future__ import annotations
 
@@ -7,36 +11,38 @@ import logging
 import sys
 from typing import Any
 
+from ..cli import (
+    UsageError,
+    add_model_args,
+    add_out_arg,
+    add_settings_args,
+    add_text_args,
+    check_model,
+    check_out,
+    fractions,
+    parse_length,
+    parse_lengths,
+    positive_int,
+)
+
 logger = logging.getLogger("moba_hf")
 
-
-def parse_lengths(text: str) -> list[int]:
-    """'1K,2K,4096' -> [1024, 2048, 4096]."""
-    out = []
-    for part in text.replace(" ", "").split(","):
-        if not part:
-            continue
-        scale = 1024 if part[-1] in "kK" else 1
-        try:
-            out.append(int(float(part[:-1] if scale > 1 else part) * scale))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"lengths must be token counts like 1024 or 2K, got {part!r}") from None
-    if not out:
-        raise argparse.ArgumentTypeError(f"lengths must list at least one token count, got {text!r}")
-    return out
+__all__ = ["load_model", "load_tokenizer", "parse_lengths"]
 
 
-def parse_floats(text: str) -> list[float]:
-    try:
-        return [float(p) for p in text.split(",") if p.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"depths must be fractions like 0,0.5,1, got {text!r}") from None
-
-
-def load_model(name: str, *, dtype: str = "auto", device: str = "auto") -> tuple[Any, Any]:
-    """The embedded model by name (`smollm2`) or any local path / hub id, loaded once with dense attention."""
-    import torch
+def load_tokenizer(name: str) -> Any:
+    """The tokenizer of an embedded model (`smollm2`), a local checkpoint or a hub id."""
     from transformers import AutoTokenizer
+
+    from ..models import EMBEDDED, local_path
+
+    return AutoTokenizer.from_pretrained(local_path(name) if name in EMBEDDED else name)
+
+
+def load_model(name: str, *, dtype: str = "auto", device: str = "auto", tokenizer: Any = None) -> tuple[Any, Any]:
+    """The one model loader of the eval commands: the embedded model by name (`smollm2`) or any local path /
+    hub id, with dense attention (settings are switched on later with apply / revert)."""
+    import torch
 
     from ..integration import from_pretrained
     from ..models import EMBEDDED, load
@@ -46,89 +52,90 @@ def load_model(name: str, *, dtype: str = "auto", device: str = "auto") -> tuple
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
     if name in EMBEDDED:
-        model, tokenizer = load(name, dtype=dtype)
+        model, loaded = load(name, dtype=dtype)
+        tokenizer = tokenizer or loaded
     else:
         model = from_pretrained(name, attn_implementation="sdpa", dtype=dtype).eval()
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        tokenizer = tokenizer or load_tokenizer(name)
     return model.to(device), tokenizer
 
 
-def _common(parser: argparse.ArgumentParser, default_lengths: str) -> None:
-    parser.add_argument("--model", default="smollm2", help="embedded model name (smollm2) or a local path / hub id")
-    parser.add_argument(
-        "--attn", action="append", metavar="SETTING",
-        help="a setting to compare (repeatable): sdpa | moba | moba:FILE.toml | moba:block_size=64,top_k=16 | "
-        "NAME=SETTING | a settings .toml file; default: sdpa",
-    )  # fmt: skip
-    parser.add_argument("--settings", action="append", metavar="FILE", help="TOML file with [[setting]] tables")
-    parser.add_argument("--lengths", type=parse_lengths, default=parse_lengths(default_lengths),
-                        help=f"context lengths in tokens, e.g. 1K,2K,4K (default {default_lengths})")  # fmt: skip
-    parser.add_argument("--out", required=True, help="output directory (re-running with it resumes)")
-    parser.add_argument("--dtype", default="auto", help="float32 / bfloat16 / float16 (auto: fp32 on CPU, bf16 on GPU)")
-    parser.add_argument("--device", default="auto", help="cpu / cuda / cuda:1 (auto: cuda when available)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--no-sparsity", action="store_true", help="do not measure sparsity (saves the gate recompute)")
+def _common(p: argparse.ArgumentParser, command: str, lengths: str, default_settings: str = "sdpa") -> None:
+    add_model_args(p)
+    add_settings_args(p, default_settings)
+    p.add_argument("--lengths", type=parse_lengths, default=parse_lengths(lengths),
+                   help=f"context lengths in tokens, e.g. 1K,2K,4096 (default {lengths})")  # fmt: skip
+    add_out_arg(p, command)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _grid(parser: argparse.ArgumentParser, trials: int) -> None:
-    parser.add_argument("--depths", type=parse_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0],
-                        help="needle depths as fractions (default 0,0.25,0.5,0.75,1)")  # fmt: skip
-    parser.add_argument("--trials", type=int, default=trials, help=f"trials per length x depth cell (default {trials})")
-    parser.add_argument("--seed", type=int, default=0)
+def _grid(p: argparse.ArgumentParser, trials: int) -> None:
+    p.add_argument("--depths", type=fractions, default=[0.0, 0.25, 0.5, 0.75, 1.0],
+                   help="needle depths as fractions in [0, 1] (default 0,0.25,0.5,0.75,1)")  # fmt: skip
+    p.add_argument("--trials", type=positive_int, default=trials,
+                   help=f"trials per length x depth cell (default {trials})")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0)
 
 
-def _source(parser: argparse.ArgumentParser, what: str) -> None:
-    parser.add_argument(what, metavar="PATH", help="a text file or a directory of text files")
-    parser.add_argument("--dataset", help="a `datasets` dataset name (datasets.load_dataset), instead of PATH")
-    parser.add_argument("--dataset-config", help="the dataset's configuration name")
-    parser.add_argument("--split", default="train", help="dataset split (default train)")
-    parser.add_argument("--column", default="text", help="dataset text column (default text)")
-    parser.add_argument("--max-docs", type=int, help="use at most this many documents")
+def _sparsity(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-sparsity", action="store_true", help="do not measure sparsity (saves the gate recompute)")
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
-    evaluate = subparsers.add_parser("eval", help="long-context evaluation: passkey, niah, ppl (settings side by side)")
-    tasks = evaluate.add_subparsers(dest="task", required=True)
+    evaluate = subparsers.add_parser(
+        "eval", help="long-context evaluation: passkey, niah, ppl, sweep (settings side by side)"
+    )
+    tasks = evaluate.add_subparsers(dest="task", required=True, metavar="TASK")
 
     p = tasks.add_parser("passkey", help="passkey retrieval (Landmark-attention prompt), lengths x depths grid")
-    _common(p, "1K,2K")
+    _common(p, "passkey", "1K,2K")
     _grid(p, 3)
-    p.add_argument("--max-new-tokens", type=int, default=8)
-    p.set_defaults(func=_run_passkey)
+    _sparsity(p)
+    p.add_argument("--max-new-tokens", type=positive_int, default=8)
+    p.set_defaults(func=_run_passkey, prog=p.prog)
 
     p = tasks.add_parser("niah", help="needle in a haystack: depth x length heatmap per setting")
-    _common(p, "1K,2K")
+    _common(p, "niah", "1K,2K")
     _grid(p, 2)
-    _source(p, "--haystack")
+    _sparsity(p)
+    add_text_args(p, "haystack (repeated when shorter than a prompt; default: generated offline text)")
     p.add_argument("--needle", help="needle sentence; {answer} is replaced by a random number per trial")
     p.add_argument("--question", help="question / completion prompt after the haystack")
     p.add_argument("--answer", help="expected answer when the needle has no {answer} placeholder")
-    p.add_argument("--max-new-tokens", type=int, default=12)
-    p.set_defaults(func=_run_niah)
+    p.add_argument("--max-new-tokens", type=positive_int, default=12)
+    p.set_defaults(func=_run_niah, prog=p.prog)
 
     p = tasks.add_parser("ppl", help="perplexity of long documents at several context lengths")
-    _common(p, "512,1K,2K")
-    _source(p, "--text")
+    _common(p, "ppl", "512,1K,2K")
+    _sparsity(p)
+    add_text_args(p, "documents (default: generated offline text)")
     p.add_argument(
-        "--mode",
-        choices=("first", "sliding"),
-        default="first",
+        "--mode", choices=("first", "sliding"), default="first",
         help="first: the first L tokens of each document; sliding: L-token windows over --max-tokens",
-    )
-    p.add_argument("--stride", type=int, help="sliding-window stride (default L/2)")
-    p.add_argument("--max-tokens", type=int, help="sliding mode: tokens scored per document (default: longest L)")
-    p.set_defaults(func=_run_ppl)
+    )  # fmt: skip
+    p.add_argument("--stride", type=positive_int, help="sliding-window stride, < L (default L/2)")
+    p.add_argument("--max-tokens", type=positive_int,
+                   help="sliding mode: tokens scored per document (default: longest L)")  # fmt: skip
+    p.set_defaults(func=_run_ppl, prog=p.prog)
+
+    p = tasks.add_parser("sweep", help="training-free sweep: passkey + perplexity vs measured sparsity (Pareto table)")
+    _common(p, "sweep", "2048,4096,8000", default_settings="sdpa and the whole grid")
+    p.add_argument("--trials", type=positive_int, default=20, help="trials per length (depths spread evenly)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch", type=positive_int, default=5, help="trials per forward pass (default 5)")
+    add_text_args(p, "perplexity text (default: Python's stdlib docstrings)")
+    p.add_argument("--ppl-length", type=parse_length, default=8000, help="perplexity tokens (default 8000)")
+    p.add_argument("--only", help=argparse.SUPPRESS)  # the old flag: grid names, comma-separated (now --attn)
+    p.add_argument("--setting", action="append", dest="attn", help=argparse.SUPPRESS)  # the old name of --attn
+    p.set_defaults(func=_run_sweep, prog=p.prog)
 
     p = tasks.add_parser("lm-eval-data", help="write passkey.jsonl / niah.jsonl for the lm-eval tasks")
     p.add_argument("--tokenizer", default="smollm2", help="embedded model name or a tokenizer path / hub id")
-    p.add_argument("--lengths", type=parse_lengths, default=parse_lengths("1K,2K,4K"))
+    p.add_argument("--lengths", type=parse_lengths, default=parse_lengths("1K,2K,4K"),
+                   help="prompt lengths in tokens (default 1K,2K,4K)")  # fmt: skip
     _grid(p, 1)
-    p.add_argument("--out", required=True)
-    p.set_defaults(func=_run_lm_eval_data)
-
-    from .sweep import add_sweep_task
-
-    add_sweep_task(tasks)
+    add_out_arg(p, "lm-eval-data", "task data")
+    p.set_defaults(func=_run_lm_eval_data, prog=p.prog)
 
     p = subparsers.add_parser(
         "lm-eval", help="lm-eval's command line with 'moba' registered and the moba_hf tasks included",
@@ -141,25 +148,44 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_lm_eval)
 
 
-def _prepare(args: argparse.Namespace) -> tuple[Any, Any, list[Any], dict[str, Any]]:
+def _settings(args: argparse.Namespace) -> list[Any]:
     from .settings import setting_args
 
-    settings = setting_args(args.attn, args.settings)  # bad settings fail here, before the model loads
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
-    common = {"model_name": args.model, "progress": not args.no_progress, "track": not args.no_sparsity}
-    return model, tokenizer, settings, common
+    try:
+        return setting_args(args.attn, args.settings)
+    except (ValueError, FileNotFoundError) as error:
+        raise UsageError(f"--attn: {error}") from None
 
 
-def _texts(args: argparse.Namespace, path: str | None) -> list[str] | None:
+def _check(args: argparse.Namespace) -> list[Any]:
+    """What every eval command checks before loading anything heavy; returns the settings."""
+    check_out(args.out)
+    check_model(args.model)
+    return _settings(args)
+
+
+def _texts(args: argparse.Namespace) -> list[str] | None:
     from .texts import load_texts
 
-    if path is None and args.dataset is None:
+    if args.text is None and args.dataset is None:
         return None
-    return load_texts(path, dataset=args.dataset, dataset_config=args.dataset_config, split=args.split,
-                      column=args.column, max_docs=args.max_docs)  # fmt: skip
+    try:
+        return load_texts(args.text, dataset=args.dataset, dataset_config=args.dataset_config, split=args.split,
+                          column=args.column, max_docs=args.max_docs)  # fmt: skip
+    except (ValueError, FileNotFoundError) as error:
+        raise UsageError(f"--text: {error}") from None
 
 
-def _report(result: Any) -> int:
+def _run(args: argparse.Namespace, tokenizer: Any, evaluate: Any) -> int:
+    """Load the model, run `evaluate(model, common_kwargs)`, print the summary; exit 1 if every setting failed."""
+    from .runner import RunMismatch
+
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, tokenizer=tokenizer)
+    common = {"model_name": args.model, "progress": not args.no_progress}
+    try:
+        result = evaluate(model, tokenizer, common)
+    except RunMismatch as error:
+        raise UsageError(str(error)) from None
     print(result.summary)
     for path in result.files:
         print(f"wrote {path}")
@@ -169,45 +195,131 @@ def _report(result: Any) -> int:
 
 
 def _run_passkey(args: argparse.Namespace) -> int:
-    from .passkey import passkey_eval
+    from .passkey import check_fits, passkey_eval
 
-    model, tokenizer, settings, common = _prepare(args)
-    result = passkey_eval(model, tokenizer, settings, args.lengths, args.depths, args.trials, args.out,
-                          seed=args.seed, max_new_tokens=args.max_new_tokens, **common)  # fmt: skip
-    return _report(result)
+    settings = _check(args)
+    tokenizer = load_tokenizer(args.model)
+    try:
+        check_fits(tokenizer, args.lengths)
+    except ValueError as error:
+        raise UsageError(f"--lengths: {error}") from None
+
+    def evaluate(model: Any, tokenizer: Any, common: dict[str, Any]) -> Any:
+        return passkey_eval(model, tokenizer, settings, args.lengths, args.depths, args.trials, args.out,
+                            seed=args.seed, max_new_tokens=args.max_new_tokens, track=not args.no_sparsity,
+                            **common)  # fmt: skip
+
+    return _run(args, tokenizer, evaluate)
 
 
 def _run_niah(args: argparse.Namespace) -> int:
-    from .niah import NEEDLE, QUESTION, niah_eval
+    from .niah import NEEDLE, QUESTION, Haystack, check_fits, niah_eval
 
-    haystack = _texts(args, args.haystack)
-    model, tokenizer, settings, common = _prepare(args)
-    result = niah_eval(
-        model, tokenizer, settings, args.lengths, args.depths, args.trials, args.out, haystack=haystack,
-        needle=args.needle or NEEDLE, question=args.question or QUESTION, answer=args.answer, seed=args.seed,
-        max_new_tokens=args.max_new_tokens, **common,
-    )  # fmt: skip
-    return _report(result)
+    settings = _check(args)
+    needle, question = args.needle or NEEDLE, args.question or QUESTION
+    if "{answer}" not in needle + question and not args.answer:
+        raise UsageError(f"--needle {needle!r} has no {{answer}} placeholder, so --answer must give the expected text")
+    haystack = _texts(args)
+    tokenizer = load_tokenizer(args.model)
+    try:
+        check_fits(Haystack(tokenizer, haystack or ["A sentence."]), args.lengths, needle, question)
+    except ValueError as error:
+        raise UsageError(f"--lengths: {error}") from None
+
+    def evaluate(model: Any, tokenizer: Any, common: dict[str, Any]) -> Any:
+        return niah_eval(
+            model, tokenizer, settings, args.lengths, args.depths, args.trials, args.out, haystack=haystack,
+            needle=needle, question=question, answer=args.answer, seed=args.seed,
+            max_new_tokens=args.max_new_tokens, track=not args.no_sparsity, **common,
+        )  # fmt: skip
+
+    return _run(args, tokenizer, evaluate)
 
 
 def _run_ppl(args: argparse.Namespace) -> int:
-    from .ppl import ppl_eval
+    from .ppl import check_documents, ppl_eval
 
-    documents = _texts(args, args.text)
-    model, tokenizer, settings, common = _prepare(args)
-    result = ppl_eval(model, tokenizer, settings, args.lengths, args.out, documents=documents, mode=args.mode,
-                      stride=args.stride, max_tokens=args.max_tokens, max_docs=args.max_docs, **common)  # fmt: skip
-    return _report(result)
+    settings = _check(args)
+    if args.stride is not None and args.stride >= min(args.lengths):
+        raise UsageError(f"--stride must be in [1, shortest length - 1 = {min(args.lengths) - 1}], got {args.stride}")
+    documents = _texts(args)
+    tokenizer = load_tokenizer(args.model)
+    if documents is not None:
+        try:
+            check_documents(tokenizer, documents, args.lengths)
+        except ValueError as error:
+            raise UsageError(f"--text: {error}") from None
+
+    def evaluate(model: Any, tokenizer: Any, common: dict[str, Any]) -> Any:
+        return ppl_eval(model, tokenizer, settings, args.lengths, args.out, documents=documents, mode=args.mode,
+                        stride=args.stride, max_tokens=args.max_tokens, max_docs=args.max_docs,
+                        track=not args.no_sparsity, **common)  # fmt: skip
+
+    return _run(args, tokenizer, evaluate)
+
+
+def _sweep_grid(args: argparse.Namespace) -> list[Any]:
+    from .settings import SWEEP_GRID, Setting
+
+    if not args.attn and not args.settings and not args.only:
+        return [Setting("sdpa"), *(Setting(name, "moba", cfg) for name, cfg in SWEEP_GRID.items())]
+    only = [n for n in (args.only or "").split(",") if n]
+    unknown = [n for n in only if n not in SWEEP_GRID]
+    if unknown:
+        raise UsageError(f"--only: {unknown} are not in the sweep grid (valid: {', '.join(SWEEP_GRID)})")
+    args.attn = only + (args.attn or [])
+    return _settings(args)
+
+
+def _run_sweep(args: argparse.Namespace) -> int:
+    import torch
+
+    from .runner import RunMismatch
+    from .sweep import default_text, pareto_plot, pareto_table, run_sweep
+
+    check_out(args.out)
+    check_model(args.model)
+    grid = _sweep_grid(args)
+    bad = [s.name for s in grid if s.attn not in ("sdpa", "moba")]
+    if bad:
+        raise UsageError(f"--attn: the sweep compares sdpa with MoBA settings; got {bad}")
+    documents = _texts(args)
+    tokenizer = load_tokenizer(args.model)
+    ppl_length = args.ppl_length
+    try:
+        from .passkey import check_fits
+
+        check_fits(tokenizer, args.lengths)
+        if documents is None:
+            text_ids = default_text(tokenizer, ppl_length)
+        else:
+            ids = max((tokenizer(d, add_special_tokens=False).input_ids for d in documents), key=len)
+            if len(ids) < ppl_length:
+                raise ValueError(f"the longest document has {len(ids)} tokens, --ppl-length asks for {ppl_length}")
+            text_ids = torch.tensor([ids[:ppl_length]])
+    except ValueError as error:
+        raise UsageError(f"--text / --lengths: {error}") from None
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, tokenizer=tokenizer)
+    try:
+        rows = run_sweep(model, tokenizer, grid, lengths=args.lengths, trials=args.trials, text_ids=text_ids,
+                         out_dir=args.out, batch=args.batch, seed=args.seed, model_name=args.model,
+                         progress=not args.no_progress)  # fmt: skip
+    except RunMismatch as error:
+        raise UsageError(str(error)) from None
+    print(pareto_table(rows, args.lengths))
+    pareto_plot(rows, max(args.lengths), check_out(args.out) / "pareto.png")
+    failed = [r.name for r in rows if r.error]
+    if failed:
+        print(f"{len(failed)} setting(s) failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if len(failed) == len(rows) else 0
 
 
 def _run_lm_eval_data(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
-
-    from ..models import EMBEDDED, local_path
     from .harness import write_task_data
 
-    source = local_path(args.tokenizer) if args.tokenizer in EMBEDDED else args.tokenizer
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    check_out(args.out)
+    check_model(args.tokenizer, "--tokenizer")
+    tokenizer = load_tokenizer(args.tokenizer)
     for path in write_task_data(tokenizer, args.out, args.lengths, args.depths, args.trials, args.seed):
         print(f"wrote {path}")
     return 0

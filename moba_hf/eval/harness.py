@@ -9,7 +9,7 @@ runs lm-eval's own command line in-process after registering "moba" (and the "hf
 our task folder added to --include_path. From Python, `import moba_hf` before `lm_eval.simple_evaluate`.
 
 "hf-moba" is lm-eval's HFLM with a MoBA setting from the model args, e.g.
-    --model hf-moba --model_args pretrained=PATH,moba=configs/moba_8k.toml
+    --model hf-moba --model_args pretrained=PATH,moba=paper-8k
     --model hf-moba --model_args pretrained=PATH,moba_block_size=64,moba_top_k=16
 """
 
@@ -29,7 +29,7 @@ MODEL_NAME = "hf-moba"
 
 
 def _moba_from_args(kwargs: dict[str, Any]) -> MobaConfig | None:
-    """Pop `moba=<file or k=v;k=v>` and `moba_<field>=value` from lm-eval model args."""
+    """Pop `moba=<preset, file or k=v;k=v>` and `moba_<field>=value` from lm-eval model args."""
     from .settings import parse_inline
 
     spec = kwargs.pop("moba", None)
@@ -39,7 +39,7 @@ def _moba_from_args(kwargs: dict[str, Any]) -> MobaConfig | None:
     base = MobaConfig()
     if spec is not None:
         spec = str(spec)
-        base = parse_inline(spec.replace(";", ",")) if "=" in spec else MobaConfig.from_file(spec)
+        base = parse_inline(spec.replace(";", ",")) if "=" in spec else MobaConfig.from_spec(spec)
     return base.replace(**fields) if fields else base
 
 
@@ -107,6 +107,7 @@ def write_task_data(
     """
     from .niah import NEEDLE, QUESTION, Haystack, trial_answer
     from .passkey import build_prompt, check_grid, trial_passkey
+    from .runner import atomic_write_text
     from .texts import generated_text
 
     lengths, depths = check_grid(lengths, depths, trials)
@@ -124,9 +125,5 @@ def write_task_data(
                 fill = NEEDLE.replace("{answer}", answer), QUESTION.replace("{answer}", answer)
                 rows["niah"].append({"prompt": hay.prompt(length, depth, *fill), "answer": answer,
                                      "length": length, "depth": depth})  # fmt: skip
-    paths = []
-    for task, items in rows.items():
-        path = out / f"{task}.jsonl"
-        path.write_text("".join(json.dumps(r) + "\n" for r in items))
-        paths.append(path)
-    return paths
+    return [atomic_write_text(out / f"{task}.jsonl", "".join(json.dumps(r) + "\n" for r in items))
+            for task, items in rows.items()]  # fmt: skip

@@ -87,6 +87,14 @@ class Haystack:
             sentences = sentences[:-1]
 
 
+def check_fits(hay: Haystack, lengths: Sequence[int], needle: str, question: str) -> None:
+    """Every length must leave room for some haystack around the needle and the question."""
+    sample = needle.replace("{answer}", "1234567"), question.replace("{answer}", "1234567")
+    fixed = hay.n_tokens(f"{sample[0]}\n\n{sample[1]}") + 1
+    if min(lengths) <= fixed:
+        raise ValueError(f"lengths must be > {fixed} tokens to hold needle + question, got {min(lengths)}")
+
+
 def niah_eval(
     model: Any,
     tokenizer: Any,
@@ -94,7 +102,7 @@ def niah_eval(
     lengths: Sequence[int] = (1024, 2048),
     depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
     trials: int = 2,
-    out_dir: str | Path = "moba_eval/niah",
+    out_dir: str | Path = "runs/niah",
     *,
     haystack: Sequence[str] | None = None,
     needle: str = NEEDLE,
@@ -117,6 +125,7 @@ def niah_eval(
         raise ValueError(f"needle {needle!r} has no {{answer}} placeholder, so answer= must give the expected text")
     texts = list(haystack) if haystack is not None else [generated_text(max(lengths) + 2000, seed)]
     hay = Haystack(tokenizer, texts)
+    check_fits(hay, lengths, needle, question)
     params = {
         "lengths": lengths, "depths": depths, "trials": trials, "seed": seed, "max_new_tokens": max_new_tokens,
         "needle": needle, "question": question, "answer": answer, "haystack_sha1": hay.digest(),

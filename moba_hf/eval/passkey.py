@@ -59,6 +59,23 @@ def _assemble(n_filler: int, depth: float, passkey: int) -> str:
     return " ".join(parts)
 
 
+def min_length(tokenizer: Any) -> int:
+    """Tokens of the prompt without filler: shorter lengths cannot hold the passkey prompt."""
+    return len(tokenizer(_assemble(0, 0.5, 99999)).input_ids)
+
+
+def check_fits(tokenizer: Any, lengths: Sequence[int]) -> None:
+    shortest = min_length(tokenizer)
+    if min(lengths) < shortest:
+        raise ValueError(f"lengths must be >= {shortest} tokens to hold the passkey prompt, got {min(lengths)}")
+
+
+def cell_prompt(tokenizer: Any, seed: int, length: int, depth: float, trial: int) -> tuple[list[int], int]:
+    """Token ids and passkey of one grid cell: the same for every setting (paired comparison) and re-run."""
+    passkey = trial_passkey(seed, length, depth, trial)
+    return tokenizer(build_prompt(tokenizer, length, depth, passkey)).input_ids, passkey
+
+
 def first_integer(text: str) -> int | None:
     match = re.search(r"\d+", text)
     return int(match.group()) if match else None
@@ -127,7 +144,7 @@ def passkey_eval(
     lengths: Sequence[int] = (1024, 2048),
     depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
     trials: int = 3,
-    out_dir: str | Path = "moba_eval/passkey",
+    out_dir: str | Path = "runs/passkey",
     *,
     seed: int = 0,
     max_new_tokens: int = 8,
@@ -137,22 +154,23 @@ def passkey_eval(
 ) -> EvalResult:
     """Passkey accuracy, prefill time and measured sparsity for each setting on the lengths x depths grid.
 
-    settings: e.g. ["sdpa", "moba:configs/moba_8k.toml", ("fine", MobaConfig(block_size=64, top_k=16))];
+    settings: e.g. ["sdpa", "moba:paper-8k", ("fine", MobaConfig(block_size=64, top_k=16))];
     (name, None) means dense sdpa. The one `model` is switched between settings with apply / revert.
     Re-running with the same out_dir skips finished trials.
     """
     settings = resolve_settings(settings)
     lengths, depths = check_grid(lengths, depths, trials)
+    check_fits(tokenizer, lengths)
     params = {"lengths": lengths, "depths": depths, "trials": trials, "seed": seed, "max_new_tokens": max_new_tokens}
     store = ResultStore(out_dir, "passkey", params, model_info(model, model_name))
-    prompts: dict[tuple, tuple[torch.Tensor, int]] = {}
+    prompts: dict[tuple, tuple[list[int], int]] = {}  # built once, shared by every setting
 
     def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
         key = (cell["length"], cell["depth"], cell["trial"])
         if key not in prompts:
-            passkey = trial_passkey(seed, *key)
-            prompts[key] = (_encode(tokenizer, build_prompt(tokenizer, key[0], key[1], passkey), model.device), passkey)
+            prompts[key] = cell_prompt(tokenizer, seed, *key)
         ids, passkey = prompts[key]
+        ids = torch.tensor([ids], device=model.device)
         decoded = greedy_decode(model, ids, max_new_tokens, track=track, eos_token_id=tokenizer.eos_token_id)
         text = tokenizer.decode(decoded.tokens, skip_special_tokens=True)
         got, correct = score(passkey, text)

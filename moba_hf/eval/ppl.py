@@ -14,7 +14,6 @@ mode "sliding": the first `max_tokens` tokens of each document, scored by window
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,8 +27,6 @@ from .report import line_plot, summary_table
 from .runner import EvalResult, ResultStore, _sync, model_info, run_grid
 from .settings import SettingLike, resolve_settings
 from .texts import generated_text
-
-logger = logging.getLogger("moba_hf")
 
 MODES = ("first", "sliding")
 _LOGIT_CHUNK = 1024  # positions per lm_head chunk: [chunk, vocab] floats instead of [L, vocab]
@@ -92,12 +89,22 @@ def window_nll(model: Any, ids: torch.Tensor, score_from: int, *, track: bool = 
     }
 
 
+def check_documents(tokenizer: Any, documents: Sequence[str], lengths: Sequence[int]) -> None:
+    """Some document must reach every length (a shorter one would be scored at another length)."""
+    longest = max(len(tokenizer(d).input_ids) for d in documents)
+    if longest < max(lengths):
+        raise ValueError(
+            f"the longest document has {longest} tokens, shorter than the asked length {max(lengths)}: "
+            "give longer text or shorter lengths"
+        )
+
+
 def ppl_eval(
     model: Any,
     tokenizer: Any,
     settings: Sequence[SettingLike] | None = None,
     lengths: Sequence[int] = (512, 1024, 2048),
-    out_dir: str | Path = "moba_eval/ppl",
+    out_dir: str | Path = "runs/ppl",
     *,
     documents: Sequence[str] | None = None,
     mode: str = "first",
@@ -128,9 +135,9 @@ def ppl_eval(
     if mode == "sliding":
         docs = [d[:, :max_tokens] for d in docs]
     plan = {(n, i): windows(d.shape[1], n, mode, stride) for n in lengths for i, d in enumerate(docs)}
-    for n in lengths:
-        if not any(plan[(n, i)] for i in range(len(docs))):
-            logger.warning("moba_hf ppl: no document has %d tokens; length %d is skipped", n, n)
+    longest = max(d.shape[1] for d in docs)
+    if mode == "first" and longest < lengths[-1] or mode == "sliding" and longest < min(lengths[-1], max_tokens):
+        raise ValueError(f"the longest document has {longest} tokens, shorter than the asked length {lengths[-1]}")
     params = {
         "lengths": lengths, "mode": mode, "stride": stride, "max_tokens": max_tokens if mode == "sliding" else None,
         "documents": len(docs), "document_tokens": [d.shape[1] for d in docs],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -104,6 +105,15 @@ def _pyplot():
     return plt
 
 
+def save_figure(fig: Any, path: str | Path) -> Path:
+    """Save through a temporary file and os.replace: an interrupted run leaves no half-written PNG."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, path)
+    return path
+
+
 def heatmap(
     records: Sequence[dict[str, Any]],
     settings: Sequence[str],
@@ -147,7 +157,7 @@ def heatmap(
     axes[0][0].set_ylabel("needle depth")
     fig.colorbar(image, ax=list(axes[0]), label="accuracy", shrink=0.8)
     fig.suptitle(title)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
     return Path(path)
 
@@ -181,7 +191,7 @@ def line_plot(
         ax.grid(alpha=0.3)
     left.legend(fontsize=8)
     fig.suptitle(title)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
     return Path(path)
 

@@ -4,8 +4,10 @@ A setting is written on the command line as
 
     sdpa | eager | <any transformers attn_implementation>     dense attention
     moba                                                       the checkpoint's moba_config (or the defaults)
-    moba:configs/moba_8k.toml                                  a MobaConfig file (.toml / .json / .yaml)
+    moba:paper-8k                                              a named preset (`moba-hf presets`)
+    moba:my_moba.toml                                          a MobaConfig file (.toml / .json / .yaml)
     moba:block_size=64,top_k=16,full_attn_layers=3             inline MobaConfig fields
+    b64-k12-f3                                                 a setting of the sweep's grid, by name
     NAME=<any of the above>                                    the same, reported under NAME
 
 or listed in a TOML file (`load_settings_file`):
@@ -13,7 +15,7 @@ or listed in a TOML file (`load_settings_file`):
     [[setting]]
     name = "moba-64x16"                  # optional
     attn = "moba"                        # optional when `moba` is given
-    moba = { block_size = 64, top_k = 16 }   # or a path: moba = "configs/moba_8k.toml"
+    moba = { block_size = 64, top_k = 16 }   # or a preset / a path: moba = "paper-8k"
 """
 
 from __future__ import annotations
@@ -30,6 +32,41 @@ from ..config import MobaConfig, load_mapping
 from ..integration import apply, revert
 
 MOBA = "moba"
+
+
+def _sweep_grid() -> dict[str, MobaConfig]:
+    """The training-free sweep's named MoBA settings; budgets around 70-80% sparsity at 8K, plus the paper's."""
+    grid = {}
+    for bs, k, full, extra in [
+        (512, 3, 0, {}),
+        (512, 3, 3, {}),
+        (512, 3, 0, {"pooling": "bound"}),
+        (256, 4, 3, {}),
+        (128, 6, 3, {}),
+        (128, 8, 3, {}),
+        (64, 12, 3, {}),
+        (64, 16, 3, {}),
+        (32, 24, 3, {}),
+        (32, 32, 3, {}),
+        (64, 12, 0, {}),
+        (64, 12, 3, {"sink_blocks": 1}),
+        (64, 12, 3, {"local_blocks": 1}),
+        (64, 12, 3, {"sink_blocks": 1, "local_blocks": 1}),
+        (64, 12, 3, {"pooling": "max"}),
+        (64, 12, 3, {"pooling": "mean+max"}),
+        (64, 12, 3, {"pooling": "mean+max", "sink_blocks": 1, "local_blocks": 1}),
+        (64, 12, 3, {"pooling": "bound"}),
+        (64, 12, 3, {"pooling": "bound", "sink_blocks": 1, "local_blocks": 1}),
+        (128, 6, 3, {"sink_blocks": 1, "local_blocks": 1}),
+        (32, 24, 3, {"pooling": "mean+max", "sink_blocks": 1, "local_blocks": 1}),
+        (32, 24, 0, {"sink_blocks": 1, "local_blocks": 1}),
+    ]:
+        name = f"b{bs}-k{k}-f{full}" + "".join(f"-{key.split('_')[0]}{v}" for key, v in extra.items())
+        grid[name] = MobaConfig(block_size=bs, top_k=k, full_attn_layers=full, **extra)
+    return grid
+
+
+SWEEP_GRID: dict[str, MobaConfig] = _sweep_grid()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +129,8 @@ def parse_inline(text: str) -> MobaConfig:
 def _auto_name(attn: str, moba: MobaConfig | None, source: str) -> str:
     if moba is None:
         return attn
-    if source and Path(source).suffix:
-        return Path(source).stem
+    if source and (Path(source).suffix or "=" not in source):
+        return Path(source).stem  # a file's stem or a preset's name
     return f"moba({source})" if source else "moba"
 
 
@@ -109,7 +146,7 @@ def parse_setting(spec: SettingLike) -> Setting:
             return Setting(name, "sdpa", None)
         return Setting(name, MOBA, MobaConfig.from_dict(moba) if not isinstance(moba, MobaConfig) else moba)
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"setting must be e.g. 'sdpa', 'moba:configs/moba_8k.toml' or 'moba:top_k=4', got {spec!r}")
+        raise ValueError(f"setting must be e.g. 'sdpa', 'moba:paper-8k' or 'moba:top_k=4', got {spec!r}")
     spec = spec.strip()
     name = None
     match = re.match(r"^([\w.\-+]+)=(.+)$", spec)
@@ -117,10 +154,13 @@ def parse_setting(spec: SettingLike) -> Setting:
         name, spec = match.group(1), match.group(2)
     attn, sep, rest = spec.partition(":")
     if not sep:
+        if attn in SWEEP_GRID:
+            return Setting(name or attn, MOBA, SWEEP_GRID[attn])
         return Setting(name or attn, attn, None)
     if attn != MOBA:
         raise ValueError(f"only 'moba' takes options after ':'; got setting {spec!r}")
-    moba = parse_inline(rest) if "=" in rest and not Path(rest).is_file() else MobaConfig.from_file(rest)
+    # key=value pairs inline; otherwise a preset name or a config file
+    moba = parse_inline(rest) if "=" in rest and not Path(rest).is_file() else MobaConfig.from_spec(rest)
     return Setting(name or _auto_name(attn, moba, rest), MOBA, moba)
 
 
@@ -143,10 +183,9 @@ def load_settings_file(path: str | Path) -> list[Setting]:
         source = ""
         if isinstance(moba_raw, str):
             source = moba_raw
-            moba_path = Path(moba_raw)
-            if not moba_path.is_absolute() and not moba_path.is_file():
-                moba_path = Path(path).parent / moba_raw  # relative to the settings file
-            moba = MobaConfig.from_file(moba_path)
+            beside = Path(path).parent / moba_raw  # a file relative to the settings file
+            relative = not Path(moba_raw).is_absolute() and not Path(moba_raw).is_file() and beside.is_file()
+            moba = MobaConfig.from_spec(beside if relative else moba_raw)
         elif moba_raw is not None:
             moba = MobaConfig.from_dict(moba_raw)
             source = ",".join(f"{k}={v}" for k, v in moba_raw.items())

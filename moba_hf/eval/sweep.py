@@ -1,15 +1,17 @@
 """Training-free sweep: passkey accuracy and perplexity against measured sparsity, over many MoBA settings.
 
-Trials of one length are run as one batch of exact-length prompts (built at the token level, so no padding),
-which makes a grid of dozens of settings affordable on one GPU. Output: results.json, pareto.md, pareto.png.
+The grid runs through the same results store and grid loop as every evaluation (`runner.run_grid`: one
+resume rule), with the passkey task's prompts; trials of one length go through the model in batches of
+equal-length prompts (no padding), which makes dozens of settings affordable on one GPU.
+Output: run.json, trials.jsonl, results.json (with one row per setting), pareto.md, pareto.png.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import time
+import hashlib
+import math
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,94 +19,16 @@ from typing import Any
 import torch
 
 from ..config import MobaConfig
-from ..integration import apply, revert, track_sparsity
-from .passkey import FILLER, INTRO, QUESTION, first_integer, passkey_line
-from .runner import _sync, forward_kwargs, output_cache, versions
-from .settings import MOBA, parse_setting
+from .passkey import cell_prompt, check_fits, score
+from .ppl import window_nll
+from .report import _pyplot, save_figure
+from .runner import ResultStore, atomic_write_text, greedy_decode, model_info, run_grid
+from .settings import MOBA, SWEEP_GRID, Setting, parse_setting
 
-# (name, MobaConfig or None for dense). Budgets chosen around 70-80% sparsity at 8K, plus the paper's setting.
-DEFAULT_GRID: list[tuple[str, MobaConfig | None]] = [("sdpa", None)]
-for _bs, _k, _full, _extra in [
-    (512, 3, 0, {}),
-    (512, 3, 3, {}),
-    (512, 3, 0, {"pooling": "bound"}),
-    (256, 4, 3, {}),
-    (128, 6, 3, {}),
-    (128, 8, 3, {}),
-    (64, 12, 3, {}),
-    (64, 16, 3, {}),
-    (32, 24, 3, {}),
-    (32, 32, 3, {}),
-    (64, 12, 0, {}),
-    (64, 12, 3, {"sink_blocks": 1}),
-    (64, 12, 3, {"local_blocks": 1}),
-    (64, 12, 3, {"sink_blocks": 1, "local_blocks": 1}),
-    (64, 12, 3, {"pooling": "max"}),
-    (64, 12, 3, {"pooling": "mean+max"}),
-    (64, 12, 3, {"pooling": "mean+max", "sink_blocks": 1, "local_blocks": 1}),
-    (64, 12, 3, {"pooling": "bound"}),
-    (64, 12, 3, {"pooling": "bound", "sink_blocks": 1, "local_blocks": 1}),
-    (128, 6, 3, {"sink_blocks": 1, "local_blocks": 1}),
-    (32, 24, 3, {"pooling": "mean+max", "sink_blocks": 1, "local_blocks": 1}),
-    (32, 24, 0, {"sink_blocks": 1, "local_blocks": 1}),
-]:
-    _cfg = MobaConfig(block_size=_bs, top_k=_k, full_attn_layers=_full, **_extra)
-    _name = f"b{_bs}-k{_k}-f{_full}" + "".join(f"-{k.split('_')[0]}{v}" for k, v in _extra.items())
-    DEFAULT_GRID.append((_name, _cfg))
+NEW_TOKENS = 6
 
-
-def passkey_token_prompts(
-    tokenizer: Any, length: int, depths: Sequence[float], passkeys: Sequence[int]
-) -> torch.Tensor:
-    """[trials, length] token ids: intro, filler, passkey line at `depth`, filler, question; exactly `length`."""
-
-    def ids(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False).input_ids
-
-    bos = tokenizer("").input_ids  # whatever special tokens the tokenizer adds to any prompt by default
-    intro, question, filler = ids(INTRO), ids(" " + QUESTION), ids(" " + FILLER)
-    rows = []
-    for depth, key in zip(depths, passkeys, strict=True):
-        needle = ids(" " + passkey_line(key))
-        room = length - len(bos) - len(intro) - len(needle) - len(question)
-        if room < 0:
-            raise ValueError(f"length={length} is too short for the passkey prompt (needs > {length - room})")
-        stream = (filler * (room // len(filler) + 1))[:room]
-        before = round(room * depth)
-        rows.append(bos + intro + stream[:before] + needle + stream[before:] + question)
-    return torch.tensor(rows)
-
-
-@torch.no_grad()
-def batched_passkey(model: Any, prompts: torch.Tensor, passkeys: Sequence[int], tokenizer: Any, new_tokens: int = 6):
-    """Greedy-decode a batch of same-length prompts; returns (got, correct, prefill_seconds, sparsity)."""
-    cache_kw, has_keep = forward_kwargs(model)
-    extra = {"logits_to_keep": 1} if has_keep else {}
-    device = prompts.device
-    with track_sparsity() as stats:
-        _sync(device)
-        start = time.perf_counter()
-        out = model(input_ids=prompts, use_cache=True, **extra)
-        _sync(device)
-        prefill = time.perf_counter() - start
-    sparsity = stats.overall
-    token = out.logits[:, -1:].argmax(-1)
-    generated = [token]
-    for _ in range(new_tokens - 1):
-        out = model(input_ids=token, use_cache=True, **{cache_kw: output_cache(out)}, **extra)
-        token = out.logits[:, -1:].argmax(-1)
-        generated.append(token)
-    texts = tokenizer.batch_decode(torch.cat(generated, dim=-1), skip_special_tokens=True)
-    got = [first_integer(t) for t in texts]
-    return got, [g == k for g, k in zip(got, passkeys, strict=True)], prefill, sparsity
-
-
-@torch.no_grad()
-def perplexity(model: Any, ids: torch.Tensor) -> tuple[float, float]:
-    """Perplexity of the first ids.shape[1] tokens (one forward) and the measured sparsity."""
-    with track_sparsity() as stats:
-        out = model(input_ids=ids, labels=ids, use_cache=False)
-    return float(torch.exp(out.loss)), stats.overall
+# (name, MobaConfig or None for dense): dense attention, then the named settings of `settings.SWEEP_GRID`
+DEFAULT_GRID: list[tuple[str, MobaConfig | None]] = [("sdpa", None), *SWEEP_GRID.items()]
 
 
 @dataclasses.dataclass
@@ -118,74 +42,112 @@ class SweepRow:
     error: str | None = None
 
 
+def sweep_cells(lengths: Sequence[int], trials: int, ppl_tokens: int | None) -> list[dict[str, Any]]:
+    """Passkey cells (depths spread evenly over the trials) and, with a text, one perplexity cell."""
+    cells: list[dict[str, Any]] = [
+        {"task": "passkey", "length": n, "depth": (i + 0.5) / trials, "trial": i}
+        for n in lengths
+        for i in range(trials)
+    ]
+    if ppl_tokens:
+        cells.append({"task": "ppl", "length": ppl_tokens})
+    return cells
+
+
 def run_sweep(
     model: Any,
     tokenizer: Any,
-    grid: Sequence[tuple[str, MobaConfig | None]],
+    grid: Sequence[tuple[str, MobaConfig | None] | Setting | str],
     *,
     lengths: Sequence[int],
     trials: int,
     text_ids: torch.Tensor | None,
-    out_dir: Path,
+    out_dir: str | Path = "runs/sweep",
     batch: int = 5,
     seed: int = 0,
+    model_name: str | None = None,
     progress: bool = True,
 ) -> list[SweepRow]:
-    from tqdm.auto import tqdm
+    """Passkey accuracy per length and perplexity of `text_ids` [1, T] for every setting of `grid`.
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    done = _load_rows(out_dir / "results.json")
+    Re-running with the same out_dir skips finished trials; other lengths, trials, batch, seed or text
+    there are refused (`runner.RunMismatch`).
+    """
+    settings = [parse_setting(g) for g in grid]
+    for setting in settings:
+        if setting.attn not in ("sdpa", MOBA):
+            raise ValueError(f"the sweep compares 'sdpa' with MoBA settings; got attn_implementation {setting.attn!r}")
+    lengths = sorted({int(n) for n in lengths})
+    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
+        raise ValueError(f"trials must be an integer >= 1, got {trials!r}")
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    check_fits(tokenizer, lengths)
+    ppl_tokens = None if text_ids is None else int(text_ids.shape[1])
+    params = {
+        "lengths": lengths, "trials": trials, "seed": seed, "batch": batch, "new_tokens": NEW_TOKENS,
+        "ppl_tokens": ppl_tokens,
+        "ppl_sha1": None if text_ids is None else hashlib.sha1(str(text_ids.tolist()).encode()).hexdigest()[:16],
+    }  # fmt: skip
+    store = ResultStore(out_dir, "sweep", params, model_info(model, model_name))
     device = next(model.parameters()).device
-    depths = [(i + 0.5) / trials for i in range(trials)]
-    gen = torch.Generator().manual_seed(seed)
-    keys = torch.randint(10000, 100000, (trials,), generator=gen).tolist()
-    rows: list[SweepRow] = []
-    bar = tqdm(total=len(grid) * len(lengths), desc="sweep", disable=not progress)
-    for name, cfg in grid:
-        if name in done:
-            rows.append(done[name])
-            bar.update(len(lengths))
-            continue
-        row = SweepRow(name, cfg.to_dict() if cfg else None, {}, {}, {}, None)
-        try:
-            revert(model) if cfg is None else apply(model, cfg)
-            for length in lengths:
-                prompts = passkey_token_prompts(tokenizer, length, depths, keys).to(device)
-                correct, times, sparsities = [], [], []
-                for s in range(0, trials, batch):
-                    _, ok, prefill, sparsity = batched_passkey(
-                        model, prompts[s : s + batch], keys[s : s + batch], tokenizer
-                    )
-                    correct += ok
-                    times.append(prefill / len(ok))
-                    sparsities.append(sparsity)
-                row.accuracy[length] = sum(correct) / len(correct)
-                row.sparsity[length] = sum(sparsities) / len(sparsities)
-                row.prefill_seconds[length] = sorted(times)[len(times) // 2]
-                bar.update()
-            if text_ids is not None:
-                row.ppl, _ = perplexity(model, text_ids.to(device))
-        except Exception as err:  # a failing setting is reported, not fatal
-            row.error = f"{type(err).__name__}: {err}"
-        rows.append(row)
-        _save(rows, out_dir, lengths)
-    _save(rows, out_dir, lengths)  # also when the last settings were all reused from an earlier run
-    bar.close()
-    revert(model)
+    built: dict[tuple, tuple[list[int], int]] = {}  # prompts are built once, shared by every setting
+
+    def prompt(cell: dict[str, Any]) -> tuple[list[int], int]:
+        key = (cell["length"], cell["depth"], cell["trial"])
+        if key not in built:
+            built[key] = cell_prompt(tokenizer, seed, *key)
+        return built[key]
+
+    def run_batch(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if cells[0]["task"] == "ppl":
+            return [window_nll(model, text_ids.to(device), 1)]
+        prompts = [prompt(c) for c in cells]
+        records: list[dict[str, Any] | None] = [None] * len(cells)
+        by_tokens: dict[int, list[int]] = {}  # whole-sentence prompts of one length are nearly always equal
+        for i, (ids, _) in enumerate(prompts):
+            by_tokens.setdefault(len(ids), []).append(i)
+        for n, rows in by_tokens.items():
+            ids = torch.tensor([prompts[i][0] for i in rows], device=device)
+            decoded = greedy_decode(model, ids, NEW_TOKENS)
+            for i, tokens in zip(rows, decoded.rows, strict=True):
+                text = tokenizer.decode(tokens, skip_special_tokens=True)
+                got, correct = score(prompts[i][1], text)
+                records[i] = {
+                    "expected": prompts[i][1], "got": got, "correct": correct, "output": text, "prompt_tokens": n,
+                    "prefill_seconds": decoded.prefill_seconds / len(rows), "batch": len(rows),
+                    "sparsity": decoded.sparsity,
+                }  # fmt: skip
+        return records
+
+    cells = sweep_cells(lengths, trials, ppl_tokens)
+    run_grid(model, settings, cells, None, store, progress=progress, desc="sweep", run_batch=run_batch,
+             batch_size=batch, batch_key=lambda c: (c["task"], c["length"]))  # fmt: skip
+    rows = sweep_rows(store.records(settings), settings, store.failures, lengths)
+    store.write(settings, pareto_table(rows, lengths), extra={"rows": [dataclasses.asdict(r) for r in rows]})
+    atomic_write_text(store.out_dir / "pareto.md", pareto_table(rows, lengths))
     return rows
 
 
-def _load_rows(path: Path) -> dict[str, SweepRow]:
-    if not path.is_file():
-        return {}
-    data = json.loads(path.read_text())
-    rows = {}
-    for r in data["rows"]:
-        if r.get("error"):
-            continue
-        for field in ("accuracy", "sparsity", "prefill_seconds"):
-            r[field] = {int(k): v for k, v in r[field].items()}
-        rows[r["name"]] = SweepRow(**r)
+def sweep_rows(
+    records: Sequence[dict[str, Any]], settings: Sequence[Setting], failures: dict[str, str], lengths: Sequence[int]
+) -> list[SweepRow]:
+    """One row per setting: accuracy, mean sparsity and median prefill seconds per trial at each length, ppl."""
+    rows = []
+    for setting in settings:
+        mine = [r for r in records if r["setting"] == setting.name]
+        row = SweepRow(setting.name, setting.moba.to_dict() if setting.moba else None, {}, {}, {}, None,
+                       failures.get(setting.name))  # fmt: skip
+        for n in lengths:
+            trials = [r for r in mine if r["task"] == "passkey" and r["length"] == n]
+            if trials:
+                row.accuracy[n] = sum(r["correct"] for r in trials) / len(trials)
+                row.sparsity[n] = statistics.fmean(r["sparsity"] for r in trials)
+                row.prefill_seconds[n] = statistics.median(r["prefill_seconds"] for r in trials)
+        ppl = [r for r in mine if r["task"] == "ppl"]
+        if ppl:
+            row.ppl = math.exp(sum(r["nll_sum"] for r in ppl) / sum(r["tokens_scored"] for r in ppl))
+        rows.append(row)
     return rows
 
 
@@ -202,14 +164,6 @@ def pareto_front(rows: Sequence[SweepRow], length: int) -> set[str]:
         if not dominated:
             front.add(r.name)
     return front
-
-
-def _save(rows: Sequence[SweepRow], out_dir: Path, lengths: Sequence[int]) -> None:
-    meta = {"versions": versions(), "lengths": list(lengths)}
-    (out_dir / "results.json").write_text(
-        json.dumps({"meta": meta, "rows": [dataclasses.asdict(r) for r in rows]}, indent=1)
-    )
-    (out_dir / "pareto.md").write_text(pareto_table(rows, lengths))
 
 
 def pareto_table(rows: Sequence[SweepRow], lengths: Sequence[int]) -> str:
@@ -229,11 +183,11 @@ def pareto_table(rows: Sequence[SweepRow], lengths: Sequence[int]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def pareto_plot(rows: Sequence[SweepRow], length: int, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def pareto_plot(rows: Sequence[SweepRow], length: int, path: str | Path) -> Path | None:
+    """Accuracy against measured sparsity at `length`, the Pareto front in red (None without matplotlib)."""
+    plt = _pyplot()
+    if plt is None:
+        return None
 
     ok = [r for r in rows if r.error is None and length in r.accuracy]
     front = sorted((r for r in ok if r.name in pareto_front(ok, length)), key=lambda r: r.sparsity[length])
@@ -252,8 +206,9 @@ def pareto_plot(rows: Sequence[SweepRow], length: int, path: Path) -> None:
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
+    return Path(path)
 
 
 def default_text(tokenizer: Any, length: int) -> torch.Tensor:
@@ -288,7 +243,9 @@ def default_text(tokenizer: Any, length: int) -> torch.Tensor:
                 parts.append(inspect.getdoc(obj) or "")
     ids = tokenizer("\n\n".join(p for p in parts if p), add_special_tokens=False).input_ids
     if len(ids) < length:
-        raise ValueError(f"default perplexity text has only {len(ids)} tokens, need {length}; pass --text")
+        raise ValueError(
+            f"default perplexity text has only {len(ids)} tokens, need {length}: give --text or a smaller --ppl-length"
+        )
     return torch.tensor([ids[:length]])
 
 
@@ -300,58 +257,3 @@ def grid_entry(spec: str) -> tuple[str, MobaConfig | None]:
     if setting.attn != MOBA:
         raise ValueError(f"the sweep compares 'sdpa' with MoBA settings; got attn_implementation {setting.attn!r}")
     return setting.name, setting.moba or MobaConfig()
-
-
-def add_sweep_task(tasks: Any) -> None:
-    """`moba-hf eval sweep`."""
-    p = tasks.add_parser("sweep", help="training-free sweep: passkey + perplexity vs measured sparsity (Pareto table)")
-    p.add_argument("--model", default="smollm2", help="embedded model name, local path or hub id")
-    p.add_argument("--lengths", default="2048,4096,8000")
-    p.add_argument("--trials", type=int, default=20)
-    p.add_argument("--batch", type=int, default=5, help="trials per forward pass")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--text", default=None, help="text file for perplexity (default: stdlib docstrings)")
-    p.add_argument("--ppl-length", type=int, default=8000)
-    p.add_argument("--only", default=None, help="comma-separated setting names from the default grid")
-    p.add_argument(
-        "--setting",
-        action="append",
-        default=None,
-        help="a setting outside the grid, e.g. 'b64-dense-decode=moba:block_size=64,decode=full' or 'sdpa' "
-        "(repeatable; with --only, added to those grid rows)",
-    )
-    p.add_argument("--out", default="outputs/sweep")
-    p.set_defaults(func=_main)
-
-
-def _main(args: argparse.Namespace) -> int:
-    from ..models import EMBEDDED, load
-
-    if args.model in EMBEDDED:
-        model, tokenizer = load(args.model)
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa").eval()
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model.to(args.device)
-    grid = DEFAULT_GRID
-    if args.only or args.setting:
-        wanted = set(args.only.split(",")) if args.only else set()
-        unknown = wanted - {name for name, _ in DEFAULT_GRID}
-        if unknown:
-            raise SystemExit(f"--only: {sorted(unknown)} not in the default grid; give other settings with --setting")
-        grid = [g for g in DEFAULT_GRID if g[0] in wanted] + [grid_entry(spec) for spec in args.setting or []]
-    if args.text:
-        ids = tokenizer(Path(args.text).read_text(), add_special_tokens=False).input_ids[: args.ppl_length]
-        text_ids = torch.tensor([ids])
-    else:
-        text_ids = default_text(tokenizer, args.ppl_length)
-    lengths = [int(x) for x in args.lengths.split(",")]
-    out = Path(args.out)
-    rows = run_sweep(
-        model, tokenizer, grid, lengths=lengths, trials=args.trials, text_ids=text_ids, out_dir=out, batch=args.batch
-    )
-    pareto_plot(rows, max(lengths), out / "pareto.png")
-    print(pareto_table(rows, lengths))
-    return 0

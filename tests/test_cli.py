@@ -1,0 +1,179 @@
+"""The `moba-hf` command line: one vocabulary, one-line errors before any model loads, Ctrl-C, the demo."""
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+
+from moba_hf import cli
+from moba_hf.eval import cli as eval_cli
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def run(argv: list[str]) -> int:
+    try:
+        return cli.main(argv)
+    except SystemExit as done:  # argparse errors and --version
+        return done.code
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Any model load fails the test: bad values must be refused before."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(eval_cli, "load_model", refuse)
+
+
+def test_lengths_vocabulary():
+    assert cli.parse_lengths("1K,2k,4096, 1.5K") == [1024, 2048, 4096, 1536]
+    assert cli.parse_lengths("1M") == [1024 * 1024]
+    for bad in ("0", "-5", "big", "0.5", "1.3", "", "K"):
+        with pytest.raises(argparse.ArgumentTypeError, match="token counts >= 1|at least one"):
+            cli.parse_lengths(bad)
+
+
+def test_version(capsys):
+    assert run(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == "moba-hf 0.1.0"
+
+
+@pytest.mark.parametrize(
+    "argv", [["--help"], ["eval", "passkey", "--help"], ["eval", "sweep", "--help"], ["demo", "-h"]]
+)
+def test_help_loads_no_machinery(argv):
+    code = (
+        f"import sys; from moba_hf import cli\ntry: cli.main({argv!r})\nexcept SystemExit: print(sorted(sys.modules))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    for heavy in ("torch", "transformers", "tqdm", "datasets", "moba_hf.eval.runner", "moba_hf.train"):
+        assert f"'{heavy}'" not in loaded
+
+
+def test_every_eval_command_shares_the_vocabulary():
+    parser = cli.build_parser()
+    for task in ("passkey", "niah", "ppl", "sweep"):
+        args = parser.parse_args(["eval", task, "--lengths", "2K", "--attn", "b64-k12-f3"])
+        assert args.out == f"runs/{task}" and args.lengths == [2048] and args.attn == ["b64-k12-f3"]
+        assert args.model == "smollm2" and args.dtype == "auto" and args.device == "auto"
+    for task in ("niah", "ppl", "sweep"):
+        assert parser.parse_args(["eval", task, "--text", "t.txt"]).text == "t.txt"
+    assert parser.parse_args(["eval", "niah", "--haystack", "t.txt"]).text == "t.txt"  # the old name still works
+    assert parser.parse_args(["eval", "lm-eval-data"]).out == "runs/lm-eval-data"
+    assert parser.parse_args(["demo", "--lengths", "2K,4K"]).lengths == [2048, 4096]
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["eval", "passkey", "--lengths", "0"], "--lengths"),
+        (["eval", "passkey", "--lengths", "-5"], "--lengths"),
+        (["eval", "niah", "--trials", "0"], "--trials"),
+        (["eval", "sweep", "--batch", "0"], "--batch"),
+        (["eval", "ppl", "--stride", "0"], "--stride"),
+        (["eval", "passkey", "--depths", "1.5"], "--depths"),
+        (["demo", "--lengths", "0"], "--lengths"),
+        (["demo", "--trials", "0"], "--trials"),
+        (["dca-matrix", "--seq-len", "0"], "--seq-len"),
+    ],
+)
+def test_bad_values_are_one_line_and_exit_2(argv, flag, capsys, no_model):
+    assert run(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and flag in err and "error" in err
+
+
+def test_bad_values_found_after_parsing_exit_2_before_the_model_loads(tiny_dir, tmp_path, capsys, no_model):
+    model = ["--model", str(tiny_dir)]
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    short = tmp_path / "short.txt"
+    short.write_text("Too short for two thousand tokens.")
+    cases = [
+        (["eval", "passkey", "--out", str(a_file)], "--out", "is a file"),
+        (["eval", "ppl", "--out", str(a_file / "sub")], "--out", "is a file"),
+        (["eval", "passkey", "--model", str(tmp_path / "missing")], "--model", "no such directory"),
+        (["eval", "passkey", "--model", str(tmp_path)], "--model", "no config.json"),
+        (["eval", "passkey", *model, "--attn", "moba:no-such-preset"], "--attn", "training-free"),
+        (["eval", "passkey", *model, "--lengths", "20"], "--lengths", "passkey prompt"),
+        (["eval", "ppl", *model, "--text", str(short), "--lengths", "2K"], "--text", "2048"),
+        (["eval", "ppl", *model, "--lengths", "64", "--mode", "sliding", "--stride", "64"], "--stride", "63"),
+        (["eval", "sweep", *model, "--text", str(short), "--lengths", "80", "--ppl-length", "1K"], "--text", "1024"),
+        (["eval", "sweep", *model, "--only", "b1-k1-f1"], "--only", "b64-k12-f3"),
+        (["eval", "niah", *model, "--needle", "No placeholder."], "--answer", "placeholder"),
+        (["eval", "niah", *model, "--lengths", "16"], "--lengths", "needle"),
+        (["demo", *model, "--attn", "moba:nope"], "--attn", "preset"),
+        (["demo", "--model", str(tmp_path / "missing")], "--model", "no such directory"),
+    ]
+    for argv, flag, why in cases:
+        assert run([*argv, "--out", str(tmp_path / "out")] if "--out" not in argv and argv[0] == "eval" else argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and flag in err and why in err, (argv, err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_ctrl_c_is_one_line_exit_130_and_the_run_resumes(tiny_dir, tmp_path, capsys, monkeypatch):
+    import moba_hf.eval.passkey as passkey
+
+    decode = passkey.greedy_decode
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(passkey, "greedy_decode", interrupted)
+    out = tmp_path / "pk"
+    argv = ["eval", "passkey", "--model", str(tiny_dir), "--lengths", "64", "--depths", "0,1", "--trials", "2",
+            "--max-new-tokens", "2", "--out", str(out), "--no-progress"]  # fmt: skip
+    assert run(argv) == 130
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and "interrupted" in err.splitlines()[-1] and str(out) in err.splitlines()[-1]
+    assert sorted(p.name for p in out.iterdir()) == ["run.json", "trials.jsonl"]  # nothing half-written
+    assert len([json.loads(line) for line in (out / "trials.jsonl").read_text().splitlines()]) == 2
+    monkeypatch.setattr(passkey, "greedy_decode", decode)
+    assert run(argv) == 0
+    assert len((out / "trials.jsonl").read_text().splitlines()) == 4
+
+
+def test_demo_warms_up_alternates_and_averages_sparsity(tiny_dir, monkeypatch):
+    import moba_hf.eval.passkey as passkey
+    from moba_hf.demo import run_demo, table
+    from moba_hf.eval.cli import load_model
+    from moba_hf.eval.settings import parse_setting
+
+    model, tokenizer = load_model(str(tiny_dir), device="cpu")
+    order, forwards = [], []
+    model.register_forward_pre_hook(lambda module, args, kwargs: forwards.append(order[:]), with_kwargs=True)
+    sparsities = iter([0.2, 0.6, 0.3, 0.5])
+
+    def trial(model, tokenizer, length, depth, key, max_new_tokens=8):
+        moba = model.config._attn_implementation == "moba"
+        order.append("moba" if moba else "sdpa")
+        return passkey.PasskeyTrial(length, depth, key, key, True, length, 2.0 if moba else 1.0, "", next(sparsities)
+                                    if moba else 0.0)  # fmt: skip
+
+    monkeypatch.setattr(passkey, "run_trial", trial)
+    moba = parse_setting("moba:block_size=16,top_k=2")
+    rows = run_demo(model, tokenizer, moba, [128, 256], 2, progress=False)
+    assert order == ["sdpa", "moba"] * 4  # one prompt, both settings back to back
+    assert forwards == [[], []]  # two untimed warm-up forwards before the first timed trial
+    assert [r["moba_sparsity"] for r in rows] == [pytest.approx(0.4), pytest.approx(0.4)]  # means, not last trial
+    assert "| 0.50x | 0.40 |" in table(rows)
+
+
+def test_demo_command_on_a_local_checkpoint(tiny_dir, capsys):
+    argv = ["demo", "--model", str(tiny_dir), "--lengths", "128", "--trials", "1", "--attn", "b16=moba:block_size=16"]
+    assert run(argv) == 0
+    out = capsys.readouterr().out
+    assert "MoBA: MobaConfig(block_size=16, top_k=3) (setting b16)" in out
+    assert "| moba speed-up | moba sparsity |" in out
+    assert run([*argv[:-1], "moba:full_attn_layers=9"]) == 2  # the tiny model has 2 layers
+    assert "--attn moba(full_attn_layers=9): full_attn_layers=9 exceeds" in capsys.readouterr().err
