@@ -19,7 +19,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-# rope types whose frequencies do not depend on the sequence length (DCA keeps them as they are)
+# rope types whose frequencies do not depend on the sequence length, so rotating by a position delta is exact
+# (YaRN's attention factor scales cos / sin by a constant, which the extra rotation keeps); dynamic NTK and
+# longrope switch frequencies with the sequence length
 FIXED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -174,7 +176,9 @@ def resolve(dca: Any, model_config: Any, block_size: int | None = None) -> DcaPa
     if dca is None and qwen is None:
         return None
     config = DcaConfig() if dca is None or dca is True else DcaConfig.from_dict(dca)
-    check_rope_type(model_config)
+    from ..integration.support import check_dca_rope  # here, not at the top: integration imports dca
+
+    check_dca_rope(model_config)  # the rope type, then the model's RoPE code itself
     base = qwen or DcaConfig()
     c = config.pretraining_length or base.pretraining_length or model_pretraining_length(model_config)
     if config.chunk_size is not None:

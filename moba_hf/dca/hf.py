@@ -13,42 +13,32 @@ the in-place remap: use the default DynamicCache.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import Any
 
 import torch
 
 from ..integration import sparsity
 from ..integration.layout import sequence_spans
+from ..integration.support import family_of
 from .attention import dca_attention
 from .config import DcaParams, resolve
-from .rope import default_inv_freq, rotate
+from .rope import rotate
 
 _INV_FREQ_ATTR = "_moba_dca_inv_freq"
 
 
 def model_inv_freq(module: torch.nn.Module, device: torch.device) -> torch.Tensor:
     """The RoPE inverse frequencies of the model `module` belongs to (its own rotary class, so rope_scaling
-    types linear / llama3 / yarn keep their frequencies); cached on the module per device."""
+    types linear / llama3 / yarn keep their frequencies; the class `support.check_dca_rope` checked);
+    cached on the module per device."""
     cached = module.__dict__.get(_INV_FREQ_ATTR)
     if cached is not None and cached.device == device:
         return cached
     config = module.config
-    rotary = _rotary_class(module)
-    if rotary is not None:
-        inv_freq = rotary(config=config).inv_freq
-    else:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        inv_freq = default_inv_freq(head_dim, float(config.rope_parameters["rope_theta"]))
+    inv_freq = family_of(type(config)).rotary(config=config).inv_freq  # resolve() -> check_dca_rope found it
     inv_freq = inv_freq.detach().to(device=device, dtype=torch.float32)
     setattr(module, _INV_FREQ_ATTR, inv_freq)
     return inv_freq
-
-
-def _rotary_class(module: torch.nn.Module) -> type | None:
-    namespace = sys.modules.get(type(module).__module__)
-    prefix = type(module).__name__.removesuffix("Attention")
-    return getattr(namespace, f"{prefix}RotaryEmbedding", None)
 
 
 @dataclasses.dataclass(frozen=True)

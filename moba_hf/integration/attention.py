@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,28 +21,11 @@ from ..kernels import causal_attention, moba_attention, resolve_backend
 from . import sparsity
 from .cache import cached_step
 from .layout import sequence_spans
+from .support import SUPPORTED_MODEL_TYPES, check_supported  # noqa: F401 - re-exported
 
 logger = logging.getLogger("moba_hf")
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-
 _warned_default: set[int] = set()
-
-
-def check_supported(model_config: Any) -> None:
-    """Refuse (ValueError) a model this implementation does not cover, saying what is supported."""
-    model_type = getattr(model_config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"moba_hf supports model types {', '.join(SUPPORTED_MODEL_TYPES)} "
-            f"(LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM); got model_type={model_type!r}"
-        )
-    layer_types = getattr(model_config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        raise ValueError(
-            f"moba_hf needs every layer to be full attention before it sparsifies it; this {model_type} "
-            f"config has layer_types {sorted(set(layer_types))} (e.g. use_sliding_window=True is not supported)"
-        )
 
 
 @functools.lru_cache(maxsize=64)
@@ -50,15 +34,28 @@ def _parse(serialized: str) -> MobaConfig:
 
 
 def moba_config_of(model_config: Any) -> MobaConfig:
-    """The MobaConfig stored in a model's config (defaults, logged once, if there is none)."""
+    """The MobaConfig stored in a model's config (defaults, logged once, if there is none).
+
+    A preset name or file path given as `moba_config=` to `from_pretrained` is resolved here once and stored
+    back as a dict, so `save_pretrained` writes the settings themselves."""
     raw = getattr(model_config, "moba_config", None)
     if raw is None:
         if id(model_config) not in _warned_default:
             _warned_default.add(id(model_config))
-            logger.warning("moba_hf: the model config has no moba_config; using MobaConfig() defaults %s", MobaConfig())
+            logger.warning(
+                "moba_hf: this checkpoint has no moba_config, so MoBA runs %s, the paper's setting for models "
+                "trained with MoBA. For a stock checkpoint use the training-free preset: "
+                "from_pretrained(path, attn_implementation='moba', moba_config='training-free') "
+                "(moba-hf presets lists them all)",
+                MobaConfig(),
+            )
         return MobaConfig()
     if isinstance(raw, MobaConfig):
         return raw
+    if isinstance(raw, (str, Path)):
+        config = MobaConfig.from_spec(raw)
+        model_config.moba_config = config.to_dict()
+        return config
     return _parse(json.dumps(raw, sort_keys=True))
 
 
@@ -77,6 +74,13 @@ def moba_attention_forward(
     config = moba_config_of(model_config)
     if dropout:
         raise ValueError(f"moba attention does not implement attention dropout; got dropout={dropout} (use 0.0)")
+    # models whose code the support check cannot read (remote code) may still pass options MoBA would ignore
+    ignored = {k: kwargs[k] for k in ("sliding_window", "softcap", "s_aux") if kwargs.get(k) is not None}
+    if ignored:
+        raise ValueError(
+            f"moba attention cannot honour {', '.join(f'{k}={v!r}' for k, v in ignored.items())} passed by "
+            f"{type(module).__name__}: it needs plain causal full attention"
+        )
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(
             "moba attention takes a 2-D padding mask (from attention_mask); got a prepared "

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..config import MobaConfig
 from ..dca.config import resolve as resolve_dca
-from .attention import check_supported
+from .support import check_supported
 from .cache import remove_hooks
 from .register import NAME, register
 
@@ -23,7 +23,7 @@ def as_moba_config(config: ConfigLike) -> MobaConfig:
 
 
 def apply(model: Any, config: ConfigLike = None) -> Any:
-    """Switch an already-loaded Llama/Qwen2/Qwen3 model to MoBA attention with `config`; returns the model.
+    """Switch an already-loaded decoder model (see `check_supported`) to MoBA attention with `config`; returns the model.
 
     With config=None the model keeps the moba_config it already carries (or gets the defaults).
     """
