@@ -220,3 +220,19 @@ def test_attention_dropout_is_refused_in_training_only(one_thread):
     model.eval()(ids)
     with pytest.raises(ValueError, match="dropout=0.1"):
         model.train()(ids)
+
+
+def test_a_window_covering_the_context_is_full_attention_and_a_longer_prompt_is_refused(one_thread):
+    # Phi-3-128K style: a sliding window longer than max_position_embeddings never cuts a key inside the context
+    config = AutoConfig.for_model("mistral", **{**TINY, "sliding_window": 24, "max_position_embeddings": 24})
+    check_supported(config)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", **LOAD).eval()
+    ids = torch.randint(0, VOCAB, (1, 24))
+    with torch.no_grad():
+        want = model(ids).logits
+        moba_hf.apply(model, FULL.replace(block_size=4, top_k=6))
+        torch.testing.assert_close(model(ids).logits, want, rtol=1e-10, atol=1e-10)
+        with pytest.raises(ValueError, match=r"sliding_window=24 \(shorter than the 25 keys\)"):
+            model(torch.randint(0, VOCAB, (1, 25)))
+    with pytest.raises(ValueError, match="sliding_window=8"):
+        check_supported(AutoConfig.for_model("mistral", **{**TINY, "sliding_window": 8, "max_position_embeddings": 24}))

@@ -75,10 +75,13 @@ def moba_attention_forward(
     if dropout:
         raise ValueError(f"moba attention does not implement attention dropout; got dropout={dropout} (use 0.0)")
     # models whose code the support check cannot read (remote code) may still pass options MoBA would ignore
-    ignored = {k: kwargs[k] for k in ("sliding_window", "softcap", "s_aux") if kwargs.get(k) is not None}
+    ignored = {k: kwargs[k] for k in ("softcap", "s_aux") if kwargs.get(k) is not None}
+    window = kwargs.get("sliding_window")
+    if window is not None and key.shape[2] > window:  # a query sees its last `window` keys: all of them up to here
+        ignored["sliding_window"] = f"{window} (shorter than the {key.shape[2]} keys)"
     if ignored:
         raise ValueError(
-            f"moba attention cannot honour {', '.join(f'{k}={v!r}' for k, v in ignored.items())} passed by "
+            f"moba attention cannot honour {', '.join(f'{k}={v}' for k, v in ignored.items())} passed by "
             f"{type(module).__name__}: it needs plain causal full attention"
         )
     if attention_mask is not None and attention_mask.dim() != 2:

@@ -8,9 +8,9 @@ from typing import Any
 
 from ..config import MobaConfig
 from ..dca.config import resolve as resolve_dca
-from .support import check_supported
 from .cache import remove_hooks
 from .register import NAME, register
+from .support import check_supported
 
 _PREVIOUS = "_moba_previous"  # attribute on the model: (attn_implementation, moba_config) before apply()
 
@@ -23,7 +23,7 @@ def as_moba_config(config: ConfigLike) -> MobaConfig:
 
 
 def apply(model: Any, config: ConfigLike = None) -> Any:
-    """Switch an already-loaded decoder model (see `check_supported`) to MoBA attention with `config`; returns the model.
+    """Switch a loaded decoder model (see `check_supported`) to MoBA attention with `config`; returns the model.
 
     With config=None the model keeps the moba_config it already carries (or gets the defaults).
     """

@@ -97,6 +97,14 @@ def check_supported(model_config: Any) -> None:
         )  # fmt: skip
 
 
+def _window_covers_context(model_config: Any) -> bool:
+    """No sliding window, or one that never cuts a key inside the model's context (Phi-3-128K's 262144 over
+    131072 positions); longer prompts are refused at run time."""
+    window = getattr(model_config, "sliding_window", None)
+    context = getattr(model_config, "max_position_embeddings", None)
+    return window is None or (context is not None and window >= context)
+
+
 def _config_problems(model_config: Any, family: Family) -> list[str]:
     problems = []
     layer_types = getattr(model_config, "layer_types", None)
@@ -106,11 +114,11 @@ def _config_problems(model_config: Any, family: Family) -> list[str]:
                 f"moba_hf needs every layer to be full attention before it sparsifies it; this config has "
                 f"layer_types {sorted(set(layer_types))} (e.g. use_sliding_window=True is not supported)"
             )
-    elif family.uses_sliding_window and getattr(model_config, "sliding_window", None) is not None:
+    elif family.uses_sliding_window and not _window_covers_context(model_config):
         # without layer_types, config.sliding_window applies to every layer (in the mask, the call or both)
         problems.append(
             f"every layer attends within sliding_window={model_config.sliding_window}, which moba attention does "
-            "not implement (a config with sliding_window=None is supported)"
+            "not implement (sliding_window=None, or a window at least max_position_embeddings long, is supported)"
         )
     v_dim, qk_dim = getattr(model_config, "v_head_dim", None), _qk_head_dim(model_config)
     if v_dim is not None and qk_dim is not None and v_dim != qk_dim:
