@@ -27,3 +27,78 @@ def fwd_bwd(fn, q, k, v, grad, **kw):
     """fn's output and its q/k/v gradients for the output gradient `grad`."""
     out = fn(q, k, v, **kw)
     return (out, *torch.autograd.grad(out, (q, k, v), grad))
+
+
+def rounding_tol(dtype: torch.dtype, *sizes: int) -> float:
+    """Tolerance for two computations of one result in `dtype` that differ only in rounding order (O(1) inputs).
+
+    An n-term sum is within n * eps of the exact value in the worst case (recursive summation), so two orders
+    differ by at most 2 * n * eps; n is the reduction lengths the result passes through (keys, queries for dk / dv,
+    head_dim for the scores). Measured errors of the CPU backends stay below n * eps / 5 on the shapes here.
+    """
+    return 2 * sum(sizes) * torch.finfo(dtype).eps
+
+
+def case_tol(shape, dtype: torch.dtype) -> float:
+    """`rounding_tol` of a (B, Hq, Hkv, Nq, Nk, D, block_size, top_k) case."""
+    return rounding_tol(dtype, shape[3], shape[4], shape[5])
+
+
+def flash_atol(expected: torch.Tensor) -> float:
+    """flash-attention's slack for its "2x a same-dtype PyTorch computation" rule (`fwd_atol` in its tests): twice
+    the rounding of the reference's own dtype at the output's scale, so a near-exact baseline stays passable."""
+    expected = expected.detach()
+    return 2 * float((expected + 0.3 - 0.3 - expected).abs().max())
+
+
+def poisoned_inputs(shape, which: str, index: int, value: float = float("nan"), dtype=torch.float64, device="cpu"):
+    """moba_inputs with one entry set to `value`: batch 0, head 0, position `index` (a query row for "q", a key
+    position for "k" / "v"), dim 0."""
+    q, k, v = moba_inputs(shape, dtype, device, requires_grad=False)
+    {"q": q, "k": k, "v": v}[which][0, 0, index, 0] = value
+    return [t.requires_grad_() for t in (q, k, v)]
+
+
+def rows_that_see(q, k, which: str, index: int, **kw) -> torch.Tensor:
+    """bool [B, Hq, Nq]: the rows whose result depends on entry (0, 0, index) of q, k or v under the shared
+    selection: the query row itself, or the rows attending key `index` (the query heads of kv head 0)."""
+    from moba_hf.kernels.common import selected_blocks
+
+    b, hq, nq, _ = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    rows = torch.zeros(b, hq, nq, dtype=torch.bool)
+    if which == "q":
+        rows[0, 0, index] = True
+        return rows
+    selected = selected_blocks(q.detach(), k.detach(), **kw).cpu()
+    attends = selected[..., index // kw["block_size"]] & (torch.arange(nk - nq, nk) >= index)
+    group = hq // hkv
+    rows[0, :group] = attends[0, :group]
+    return rows
+
+
+def assert_propagates_like_reference(fn, shape, which: str, value: float, device="cpu", **gate):
+    """fn's output has the reference's NaN / inf pattern and its finite values; finite rows keep finite gradients."""
+    from moba_hf.kernels import moba_attention_reference
+
+    nq, nk = shape[3], shape[4]
+    index = nq // 2 if which == "q" else nk - nq + nq // 2  # a key some queries see and some do not
+    q, k, v = poisoned_inputs(shape, which, index, value, device=device)
+    kw = {"block_size": shape[6], "top_k": shape[7], **gate}
+    with torch.no_grad():
+        expected = moba_attention_reference(q, k, v, **kw)
+    out = fn(q, k, v, **kw)
+    assert torch.equal(out.isnan(), expected.isnan()), (~out.isfinite()).any(-1).nonzero().tolist()
+    assert torch.equal(out.isinf(), expected.isinf())
+    finite = expected.isfinite()
+    tol = case_tol(shape, torch.float64)
+    torch.testing.assert_close(out[finite], expected[finite], atol=tol, rtol=tol)
+    (dq,) = torch.autograd.grad(out, (q,), torch.randn_like(out))
+    assert dq[finite.all(dim=-1)].isfinite().all()
+
+
+def model_tol(config: dict, seq_len: int) -> float:
+    """`rounding_tol` for float64 logits / gradients of a tiny model computed two ways (batched vs alone, cached vs
+    full, sparse vs dense): each layer's reductions (tokens, hidden, MLP, vocab) once per layer."""
+    sizes = (seq_len, config["hidden_size"], config["intermediate_size"], config["vocab_size"])
+    return config["num_hidden_layers"] * rounding_tol(torch.float64, *sizes)

@@ -1,8 +1,6 @@
 """DCA inside transformers on tiny Llama / Qwen2 / Qwen3 models: exactness inside one chunk, cached decoding
 and chunked prefill against one full forward, keys stored at j mod s, padding, configs and errors."""
 
-from pathlib import Path
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
@@ -179,7 +177,7 @@ def test_packed_documents_remap_per_document():
     docs = [torch.randint(0, 97, (1, n)) for n in (26, 15)]
     packed = torch.cat(docs, dim=1)
     position_ids = torch.cat([torch.arange(d.shape[1]) for d in docs])[None]
-    got = model(packed, position_ids=position_ids).logits
+    got = model(packed, position_ids=position_ids, use_cache=False).logits  # transformers packs cache-free forwards
     torch.testing.assert_close(got[:, :26], model(docs[0]).logits, rtol=0, atol=1e-10)
     torch.testing.assert_close(got[:, 26:], model(docs[1]).logits, rtol=0, atol=1e-10)
 
@@ -260,10 +258,9 @@ def test_cli_prints_example_row(capsys):
     assert "12: 7 6 5 4 3 2 | 6 5 4 3 2 1 | 0" in capsys.readouterr().out
 
 
-def test_shipped_configs_load():
-    configs = Path(__file__).resolve().parents[1] / "configs"
-    dense = MobaConfig.from_file(configs / "dca_dense.toml")
-    sparse = MobaConfig.from_file(configs / "dca_moba.toml")
+def test_shipped_presets_load():
+    dense = MobaConfig.preset("dca-dense")
+    sparse = MobaConfig.preset("dca-moba")
     assert not dense.sparse and dense.dca == DcaConfig()
     assert sparse.sparse and sparse.dca == DcaConfig()
     model_config = LlamaConfig(**{**TINY, "max_position_embeddings": 8192})
@@ -304,14 +301,12 @@ def test_training_backward_matches_float64_finite_difference():
     torch.testing.assert_close((grad * direction).sum(), (plus - minus) / (2 * eps), rtol=1e-3, atol=1e-8)
 
 
-def test_model_equals_an_independent_dca_oracle(arch):
-    """End to end: the model with dense DCA gives the logits of the same model whose attention undoes the RoPE it
-    was given (true positions) and applies the paper's rules pair by pair (tests/test_dca_kernels.py)."""
+def oracle_logits(model, ids, pretraining_length, chunk_size):
+    """Logits of `model` whose attention undoes the RoPE it was given (true positions) and applies the paper's DCA
+    rules pair by pair (tests/test_dca_kernels.py). Leaves the model on that oracle attention."""
     from test_dca_kernels import reference_dca
     from transformers import AttentionInterface
 
-    c, s = TINY["max_position_embeddings"], 12
-    model = tiny_model(arch)
     inv_freq = model.model.rotary_emb.inv_freq.double()  # the frequencies the model rotated q and k with
 
     def unrotate(x: torch.Tensor) -> torch.Tensor:
@@ -320,12 +315,19 @@ def test_model_equals_an_independent_dca_oracle(arch):
         return x * cos - rotate_half(x) * sin  # RoPE by minus the position
 
     def oracle(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        out = reference_dca(unrotate(query), unrotate(key), value, c, s, inv_freq, scaling)
+        out = reference_dca(unrotate(query), unrotate(key), value, pretraining_length, chunk_size, inv_freq, scaling)
         return out.transpose(1, 2).contiguous(), None
 
     AttentionInterface.register("dca_oracle_test", oracle)
-    ids = torch.randint(0, 97, (2, 31))  # three chunks: intra, successive and inter parts all occur
     model.set_attn_implementation("dca_oracle_test")
-    want = model(ids).logits
+    return model(ids).logits
+
+
+def test_model_equals_an_independent_dca_oracle(arch):
+    """End to end: the model with dense DCA gives the oracle's logits."""
+    c, s = TINY["max_position_embeddings"], 12
+    model = tiny_model(arch)
+    ids = torch.randint(0, 97, (2, 31))  # three chunks: intra, successive and inter parts all occur
+    want = oracle_logits(model, ids, c, s)
     moba_hf.apply(model, MobaConfig(sparse=False, dca=DcaConfig(chunk_size=s)))
     torch.testing.assert_close(model(ids).logits, want, rtol=1e-10, atol=1e-10)

@@ -14,9 +14,23 @@ selected blocks enter each part.
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
-from ..kernels.common import causal_attention, check_moba_args, choose_blocks, gate_dtype, gate_scores, num_blocks
+from ..kernels.common import (
+    all_finite,
+    causal_attention,
+    check_inputs,
+    check_moba_args,
+    choose_blocks,
+    gate_dtype,
+    gate_scores,
+    has_nonfinite,
+    num_blocks,
+    propagate_nonfinite,
+)
 from ..kernels.torch_impl import attention_with_lse, fused_available, moba_attention_torch_variants
 from .positions import INTER, query_positions, region
 from .rope import rotate
@@ -143,6 +157,9 @@ def dca_attention(
     (top_k, pooling, sink_blocks, local_blocks as in `moba_attention`) with block_size dividing chunk_size.
     Returns [B, Hq, Nq, D] in q's dtype.
     """
+    check_inputs(q, k, v, scale)
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 < temperature < math.inf:
+        raise ValueError(f"temperature must be a finite number > 0 (1.0 = off), got {temperature!r}")
     if block_size is None:
         check_moba_args(q, k, v, block_size=1, top_k=1)
     else:
@@ -155,6 +172,11 @@ def dca_attention(
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     _check_dca(nk, pretraining_length, chunk_size, inv_freq, d)
+    if has_nonfinite(q, v):  # the kernels' NaN / inf rule (see kernels.common.propagate_nonfinite)
+        args = dict(pretraining_length=pretraining_length, chunk_size=chunk_size, inv_freq=inv_freq, scale=scale,
+                    temperature=temperature, block_size=block_size, top_k=top_k, pooling=pooling,
+                    sink_blocks=sink_blocks, local_blocks=local_blocks)  # fmt: skip
+        return propagate_nonfinite(lambda q_, v_: dca_attention(q_, k, v_, **args), q, v, _allowed(q, k, args))
     s, g = chunk_size, hq // hkv
     scale = (d**-0.5 if scale is None else scale) * temperature
     dtype = gate_dtype(q.dtype)
@@ -169,6 +191,7 @@ def dca_attention(
     # inference on CPU: fused pieces merged by log-sum-exp (dense: one call per part; MoBA: the torch kernel's
     # gathered blocks, each reading the query variant of its region)
     fast = fused_available(q) and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
+    fast = fast and all_finite(k)  # the fused op zeroes a row whose scores are all NaN
     if block_size is None:
         if fast:
             return _dense_dca_by_parts(variants, k, v, s, scale).to(q.dtype)
@@ -206,6 +229,30 @@ def dca_attention(
         outputs.append(_merge(parts).reshape(b, hq, t1 - t0, d))
         t0 = t1
     return torch.cat(outputs, dim=2).to(q.dtype)
+
+
+def _allowed(q: torch.Tensor, k: torch.Tensor, args: dict):
+    """allowed(a, n) -> bool [B, Hq, n, Nk]: the keys DCA query rows a .. a + n - 1 attend (for NaN / inf values)."""
+    nq, nk = q.shape[2], k.shape[2]
+    block_size = args["block_size"]
+    selected = None
+    if block_size is not None:
+        variants = query_variants(
+            q, nk, args["pretraining_length"], args["chunk_size"], args["inv_freq"], gate_dtype(q.dtype)
+        )
+        selected = dca_selected_blocks(
+            variants, k, chunk_size=args["chunk_size"], block_size=block_size, top_k=args["top_k"],
+            pooling=args["pooling"], sink_blocks=args["sink_blocks"], local_blocks=args["local_blocks"],
+        )  # fmt: skip
+
+    def allowed(a: int, n: int) -> torch.Tensor:
+        q_pos = torch.arange(nk - nq + a, nk - nq + a + n, device=q.device)
+        causal = torch.arange(nk, device=q.device)[None, :] <= q_pos[:, None]
+        if selected is None:
+            return causal.expand(q.shape[0], q.shape[1], n, nk)
+        return selected[:, :, a : a + n][..., torch.arange(nk, device=q.device) // block_size] & causal
+
+    return allowed
 
 
 def _dense_dca_by_parts(

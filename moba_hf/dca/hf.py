@@ -102,7 +102,7 @@ def remap_fresh(
     b, nq, nk = query.shape[0], query.shape[2], key.shape[2]
     first = nk - nq
     device = query.device
-    spans = sequence_spans(padding_mask, position_ids, b, nq, nk)
+    spans = sequence_spans(padding_mask, b, nq, nk)
     if spans is None:
         rank = torch.arange(first, nk, device=device).expand(b, nq)
         real = torch.ones(b, nq, dtype=torch.bool, device=device)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 
 INTRA, SUCCESSIVE, INTER = 0, 1, 2
+# relative_positions builds (and format_matrix prints) seq_len**2 entries: 2048 is 32 MiB and 2M printed cells
+MAX_MATRIX_LEN = 2048
 
 
 def _check(seq_len: int, pretraining_length: int, chunk_size: int) -> None:
@@ -42,6 +44,11 @@ def region(query_index: torch.Tensor, key_index: torch.Tensor, chunk_size: int) 
 def relative_positions(seq_len: int, pretraining_length: int, chunk_size: int) -> torch.Tensor:
     """[seq_len, seq_len] int64 matrix of remapped query-key distances; -1 above the diagonal (never attended)."""
     _check(seq_len, pretraining_length, chunk_size)
+    if seq_len > MAX_MATRIX_LEN:
+        raise ValueError(
+            f"seq_len must be <= {MAX_MATRIX_LEN} for the [seq_len, seq_len] matrix ({seq_len}**2 entries would not "
+            f"print sensibly), got {seq_len}"
+        )
     idx = torch.arange(seq_len)
     q_pos = query_positions(idx, pretraining_length, chunk_size)  # [N, 3]
     which = region(idx[:, None], idx[None, :], chunk_size)  # [N, N]

@@ -102,7 +102,7 @@ def moba_attention_forward(
         if out is not None:
             return out.transpose(1, 2).contiguous(), None
 
-    spans = sequence_spans(attention_mask, kwargs.get("position_ids"), query.shape[0], nq, nk)
+    spans = sequence_spans(attention_mask, query.shape[0], nq, nk)
     if spans is None:
         out = _attend(query, key, value, config, scaling, dense, layer, dca)
     else:

@@ -10,8 +10,8 @@ summed (a `DynamicCache` append makes a new tensor each update; `reset`, `crop`,
 selection or offloading all replace it too). Otherwise it is rebuilt once from the cache's keys.
 
 Per row, blocks are laid out over the row's real tokens (pads dropped, counted from its first real token),
-the layout the padded prefill path uses. Packed documents are not tracked across a cache: after a packed
-prefill a decode step treats the row's real tokens as one sequence.
+the layout the padded prefill path uses. Rows are packed only in forwards without a cache (transformers' rule,
+see `layout`), so the block state never holds documents.
 """
 
 from __future__ import annotations
@@ -194,20 +194,19 @@ class BlockState:
         self._reserve(first + n_blk)
         x = x.to(self.dtype)
         features = gate_features(x, self.pooling)  # what the maxima run over
-        span = slice(first, first + n_blk)
         if n_blk == 1:  # decode: one token into one block, no padding
             if self.sums is not None:
                 self.sums[rows, :, first] += x.sum(2)
             if self.maxes is not None:
                 self.maxes[rows, :, first] = torch.maximum(self.maxes[rows, :, first], features.amax(2))
             return
-        pads = (0, 0, off, n_blk * bs - off - r)
-        shape = (x.shape[0], x.shape[1], n_blk, bs)
+        # index by block instead of padding to whole blocks: memory follows the tokens, not block_size
+        block = (count + torch.arange(r, device=x.device)) // bs
         if self.sums is not None:
-            self.sums[rows, :, span] += F.pad(x, pads).view(*shape, x.shape[3]).sum(3)
+            self.sums[rows] = self.sums[rows].index_add(2, block, x)
         if self.maxes is not None:
-            block_max = F.pad(features, pads, value=float("-inf")).view(*shape, features.shape[3]).amax(3)
-            self.maxes[rows, :, span] = torch.maximum(self.maxes[rows, :, span], block_max)
+            index = block.view(1, 1, r, 1).expand(*features.shape)
+            self.maxes[rows] = self.maxes[rows].scatter_reduce(2, index, features, "amax")
 
     def block_keys(self, n_blocks: int | None = None) -> torch.Tensor:
         """Pooled keys [B, Hkv, n_blocks, D (2D for mean+max and bound)] in each row's sequence layout."""
@@ -291,6 +290,8 @@ def cached_step(
     call = current_call(module)
     if call is None:
         return None
+    if padding_mask is not None and padding_mask.dtype != torch.bool:  # packed document ids: never with a cache
+        padding_mask = None
     cache, in_step = call
     layer = getattr(module, "layer_idx", None)
     check_cache_supported(cache, layer)

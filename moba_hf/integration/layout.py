@@ -2,9 +2,24 @@
 
 MoBA lays out blocks per sequence from its real tokens, so a padded or packed row is split into its
 sequences before attention; a row that is one plain sequence goes to the kernel unchanged.
+
+The split is worked out once per forward, in the "moba" mask function, as the one 2-D *layout* tensor every
+layer receives as its `attention_mask`::
+
+    None                      every row is one whole sequence
+    bool  [B, kv_length]      padding: False marks a pad key
+    int64 [B, kv_length]      packed rows: the document id of each key (no padding)
+
+Packing rule (transformers' own): a row is packed only where transformers' mask says so -- it checks
+`position_ids` (a new document wherever the position does not advance by exactly one) only when the forward has
+no `attention_mask` and no cache. With an attention mask or a cache (also an empty one: `model(...)` in eval mode
+creates a DynamicCache), position ids with gaps or strides are just positions, and attention is causal over the
+whole row. The layout reads that decision from the mask function transformers built, so the two never disagree.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -22,39 +37,73 @@ def padding_mask_2d(attention_mask: torch.Tensor | None, kv_length: int, kv_offs
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """Packed rows: a new document starts wherever the position does not advance by exactly one
-    (the rule transformers uses for `DataCollatorWithFlattening`). [B, N] -> [B, N] int ids."""
+    """transformers' packing rule (`find_packed_sequence_indices`): a new document starts wherever the position
+    does not advance by exactly one. [B, N] -> [B, N] int64 ids from 0."""
     step = torch.diff(position_ids, dim=-1, prepend=position_ids[:, :1] - 1)
     return (step != 1).cumsum(dim=-1)
 
 
+def packed_documents(
+    mask_function: Callable | None, batch_size: int, q_length: int, kv_length: int, kv_offset: int = 0, device=None
+) -> torch.Tensor | None:
+    """Document ids [B, kv_length] where transformers' `mask_function` separates packed documents, else None.
+
+    Query i starts a new document exactly when the mask forbids it its predecessor key i - 1 (a causal mask
+    always allows it), so one probe per token reads transformers' decision, whatever rule produced it.
+    transformers packs only full forwards (q_length == kv_length, no cache offset).
+    """
+    if mask_function is None or q_length != kv_length or kv_offset != 0 or kv_length < 2:
+        return None
+    i = torch.arange(1, kv_length, device=device)[None, :]
+    rows = torch.arange(batch_size, device=device)[:, None]
+    with torch.no_grad():
+        sees_previous = torch.as_tensor(mask_function(rows, torch.zeros_like(rows), i, i - 1), device=device)
+    starts = ~sees_previous.to(torch.bool).expand(batch_size, kv_length - 1)
+    if not bool(starts.any()):
+        return None
+    return torch.nn.functional.pad(starts.to(torch.long).cumsum(dim=-1), (1, 0))
+
+
+def forward_layout(
+    attention_mask: torch.Tensor | None,
+    mask_function: Callable | None,
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    kv_offset: int = 0,
+    device=None,
+) -> torch.Tensor | None:
+    """The layout tensor (see the module docstring) for one forward, from the arguments transformers hands the
+    "moba" mask function. With an attention mask transformers never packs, so only padding can split a row."""
+    if attention_mask is not None:
+        return padding_mask_2d(attention_mask, kv_length, kv_offset)
+    return packed_documents(mask_function, batch_size, q_length, kv_length, kv_offset, device)
+
+
 def sequence_spans(
-    padding_mask: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
+    layout: torch.Tensor | None,
     batch_size: int,
     q_length: int,
     kv_length: int,
 ) -> list[tuple[int, torch.Tensor]] | None:
     """Split rows into sequences: a list of (row, key_indices), or None if each row is one whole sequence.
 
-    `key_indices` (ascending) are the keys of one sequence; its queries are those of its keys that fall
-    among the last `q_length` positions. Packing is looked for only without a cache (q_length == kv_length).
+    layout: None, a bool padding mask or int64 document ids [B, kv_length] (see the module docstring).
+    `key_indices` (ascending) are the keys of one sequence; its queries are those of its keys that fall among the
+    last `q_length` positions. position_ids are not read: whether a row is packed is transformers' decision,
+    carried by the layout (a stride or gap in position_ids alone splits nothing).
     """
-    check_packing = position_ids is not None and q_length == kv_length and kv_length > 1
-    if check_packing:
-        position_ids = position_ids.expand(batch_size, -1)
-    if padding_mask is None and not (check_packing and bool((document_ids(position_ids) != 0).any())):
+    if layout is None:
         return None
-
+    positions = torch.arange(kv_length, device=layout.device)
     spans: list[tuple[int, torch.Tensor]] = []
-    device = padding_mask.device if padding_mask is not None else position_ids.device
-    positions = torch.arange(kv_length, device=device)
+    if layout.dtype == torch.bool:
+        for row in range(batch_size):
+            spans.append((row, positions[layout[row]]))
+        return spans
+    layout = layout.expand(batch_size, -1)
     for row in range(batch_size):
-        real = positions if padding_mask is None else positions[padding_mask[row]]
-        if not check_packing or real.numel() == 0:
-            spans.append((row, real))
-            continue
-        ids = document_ids(position_ids[row, real][None])[0]  # pads are dropped before numbering
+        ids = layout[row]
         for doc in torch.unique_consecutive(ids):
-            spans.append((row, real[ids == doc]))
+            spans.append((row, positions[ids == doc]))
     return spans

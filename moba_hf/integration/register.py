@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .attention import moba_attention_forward
-from .layout import padding_mask_2d
+from .layout import forward_layout
 
 NAME = "moba"
 CONFIG_FIELD = "moba_config"
@@ -28,7 +28,8 @@ def moba_mask(
     attention_mask: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> torch.Tensor | None:
-    """The mask transformers prepares for "moba": the 2-D padding mask [B, kv_length] (None if no padding).
+    """The mask transformers prepares for "moba": the forward's layout, worked out once for every layer (None,
+    a 2-D padding mask, or packed documents' ids; see `layout`).
 
     Causality and block sparsity are the kernel's job, so no [Nq, Nk] mask is ever built.
     """
@@ -40,7 +41,8 @@ def moba_mask(
             "moba attention needs the queries to be the newest keys (DynamicCache, the default); "
             "StaticCache / pre-allocated caches are not supported: drop cache_implementation='static'"
         )
-    return padding_mask_2d(attention_mask, kv_length, kv_offset)
+    device = kwargs.get("device")
+    return forward_layout(attention_mask, mask_function, batch_size, q_length, kv_length, kv_offset, device)
 
 
 def register() -> None:

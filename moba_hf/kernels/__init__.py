@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from .common import causal_attention, check_moba_args, gate_scores, selected_blocks
+from .common import causal_attention, check_inputs, check_moba_args, gate_scores, selected_blocks
 from .reference import moba_attention_reference
 
 logger = logging.getLogger("moba_hf")
@@ -116,8 +116,10 @@ def moba_attention(
     Keys are cut into blocks of `block_size`; each query attends its own block causally plus the
     `top_k - 1` earlier blocks with the highest gate score q . pool(K_block) (top_k counts the own block;
     top_k = 1 means own block only; top_k >= number of blocks means plain causal attention).
-    `scale` defaults to head_dim ** -0.5. `pooling`, `sink_blocks`, `local_blocks`: see `MobaConfig`.
+    `scale` defaults to head_dim ** -0.5 (else a finite number > 0); q, k, v: floating point, one dtype, one device.
+    `pooling`, `sink_blocks`, `local_blocks`: see `MobaConfig`.
     """
+    check_inputs(q, k, v, scale)
     name = resolve_backend(backend, q)
     logger.debug("moba_attention: backend=%s q=%s k=%s", name, tuple(q.shape), tuple(k.shape))
     return _loaded[name](
@@ -137,6 +139,7 @@ __all__ = [
     "BACKENDS",
     "backend_available",
     "causal_attention",
+    "check_inputs",
     "check_moba_args",
     "gate_scores",
     "moba_attention",

@@ -13,6 +13,8 @@ All backends select blocks through `selected_blocks`, so they agree on every tie
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable, Iterator
 
 import torch
@@ -52,12 +54,42 @@ def check_moba_args(
         raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch (dim 0) and head_dim (dim 3)")
+    if q.shape[0] < 1 or q.shape[3] < 1:
+        raise ValueError(f"batch (dim 0) and head_dim (dim 3) must be >= 1, got q shape {tuple(q.shape)}")
     hq, hkv = q.shape[1], k.shape[1]
     if hkv == 0 or hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
     nq, nk = q.shape[2], k.shape[2]
     if nk < 1 or not 1 <= nq <= nk:
         raise ValueError(f"need 1 <= Nq <= Nk (queries are the last Nq keys), got Nq={nq}, Nk={nk}")
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: object) -> None:
+    """The public entries' input contract: q, k, v floating-point tensors of one dtype on one device, and `scale`
+    None or a finite real number > 0 (integer tensors would come back truncated, scale <= 0 as NaN or garbage)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise ValueError(
+                f"{name} must be a floating-point tensor (float16, bfloat16, float32, float64), got {t.dtype}"
+            )
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    if q.device.type == "meta":  # the block selection reads values
+        raise ValueError("q, k, v must hold data (the gate reads their values), got meta tensors")
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0
+    ):
+        raise ValueError(f"scale must be None (head_dim ** -0.5) or a finite number > 0, got {scale!r}")
+
+
+def effective_block_size(block_size: int, seq_len: int) -> int:
+    """A block longer than the sequence is one block of the sequence's length: same result, memory bounded by the
+    sequence, not by the parameter (block_size = 10**11 on 8 tokens must not pad 10**11 keys)."""
+    return max(1, min(block_size, seq_len))
 
 
 def num_blocks(seq_len: int, block_size: int) -> int:
@@ -71,6 +103,7 @@ def pooled_keys(k: torch.Tensor, block_size: int, pooling: str) -> torch.Tensor:
     Computed in float32 (float64 stays float64); a partial last block pools only its real keys.
     """
     b, h, n, d = k.shape
+    block_size = effective_block_size(block_size, n)
     nb = num_blocks(n, block_size)
     kf = gate_features(k.to(gate_dtype(k.dtype)), pooling)
     pad = nb * block_size - n
@@ -124,6 +157,7 @@ def gate_scores(
     """
     b, hq, nq, d = q.shape
     hkv = k.shape[1]
+    block_size = effective_block_size(block_size, k.shape[2])
     if pooled is None:
         pooled = pooled_keys(k, block_size, pooling)  # [B, Hkv, nb, D or 2D]
     qf = gate_queries(q.to(pooled.dtype).reshape(b, hkv, hq // hkv, nq, d), pooling)
@@ -153,6 +187,7 @@ def selected_blocks(
     """
     nq, nk = q.shape[2], k.shape[2]
     start = nk - nq if q_start is None else q_start
+    block_size = effective_block_size(block_size, nk)
     nb = num_blocks(nk, block_size)
     with torch.no_grad():
         current = (torch.arange(nq, device=q.device) + start) // block_size  # [Nq]
@@ -199,6 +234,8 @@ def choose_blocks(
     n_pick = min(top_k - 1, n_blocks)
     if n_pick <= 0:
         return selected
+    # a NaN score (a NaN key pooled into the block, or a NaN query) ranks first, as in torch.max / topk, and its
+    # block is picked: the row then attends the NaN and shows it instead of hiding it behind other blocks
     gated = scores().masked_fill(~(earlier & ~forced), float("-inf"))
     picked = torch.zeros_like(gated, dtype=torch.bool)
     if n_pick <= _MAX_PASS_PICKS:  # a max pass per pick beats topk for the paper's top_k = 3 (1.7x on CPU)
@@ -207,10 +244,10 @@ def choose_blocks(
             best, index = gated.max(dim=-1, keepdim=True)
             gated.scatter_(-1, index, float("-inf"))
             # a row out of candidates marks its own block instead (selected anyway)
-            picked.scatter_(-1, torch.where(best > float("-inf"), index, own), True)
+            picked.scatter_(-1, torch.where(best != float("-inf"), index, own), True)
     else:
         top = gated.topk(n_pick, dim=-1, sorted=False)
-        picked.scatter_(-1, top.indices, top.values > float("-inf"))
+        picked.scatter_(-1, top.indices, top.values != float("-inf"))
     return selected | picked
 
 
@@ -232,6 +269,7 @@ def selection_slices(
     """
     nq, nk = q.shape[2], k.shape[2]
     start = nk - nq
+    block_size = effective_block_size(block_size, nk)
     blk = torch.arange(num_blocks(nk, block_size), device=q.device)
     pooled = pooled_keys(k, block_size, pooling) if top_k > 1 else None
     for a in range(0, nq, slice_rows):
@@ -256,8 +294,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
 
     q: [B, Hq, Nq, D], k, v: [B, Hkv, Nk, D] -> [B, Hq, Nq, D]. Uses PyTorch SDPA without copying K/V.
     """
+    check_inputs(q, k, v, scale)
+    check_moba_args(q, k, v, block_size=1, top_k=1)
     nq, nk = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
+    if 1 < nq < nk and not (all_finite(k) and all_finite(v)):
+        return _causal_math(q, k, v, scale)  # SDPA adds its boolean mask: a masked NaN key would leak (NaN - inf)
     if nq == nk:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     if nq == 1:
@@ -265,3 +307,148 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     q_pos = torch.arange(nk - nq, nk, device=q.device)
     mask = q_pos[:, None] >= torch.arange(nk, device=q.device)[None, :]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+# --- NaN / inf inputs ---------------------------------------------------------------------------------------------
+# Fused kernels return 0 for a row whose scores are all NaN, and 0 * NaN = NaN spreads a NaN value to rows that
+# never attend it. The rule every backend follows instead (the reference's arithmetic): a row with a NaN / inf
+# query is NaN; a row attending a NaN value is NaN in that channel, one attending +inf / -inf values is +inf / -inf
+# there (NaN for both); NaN / inf keys go through the kernels as they are (masked keys never reach a score).
+_HIT_ELEMENTS = 1 << 24  # allowed-mask elements per slice while finding the rows that attend a non-finite value
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN / inf in t. One sum answers the common case without a bool copy of t; only a non-finite sum (a NaN /
+    inf, or huge finite values overflowing) pays for the exact check."""
+    return bool(torch.isfinite(t.sum(dtype=gate_dtype(t.dtype)))) or bool(t.isfinite().all())
+
+
+def has_nonfinite(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether q or v holds a NaN / inf: then backends run `propagate_nonfinite`."""
+    return not (all_finite(q) and all_finite(v))
+
+
+def masked_matmul(probs: torch.Tensor, allowed: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """probs @ v where row i reads only its `allowed` keys: probs, allowed [..., M, N] (allowed broadcastable),
+    v [..., N, D] with the same leading dims as probs. Exact for NaN / inf values: each row sums only the values
+    it attends, so a non-finite value reaches no other row."""
+    bad = ~v.isfinite()
+    out = probs @ v.masked_fill(bad, 0)
+    if not bool(bad.any()):
+        return out
+    m, n, d = probs.shape[-2], probs.shape[-1], v.shape[-1]
+    lead = probs.shape[:-2]
+    probs3, allowed3 = probs.reshape(-1, m, n), allowed.expand(*lead, m, n).reshape(-1, m, n)
+    v3, out3 = v.reshape(-1, n, d), out.reshape(-1, m, d)
+    il, ij, idim = bad.reshape(-1, n, d).nonzero(as_tuple=True)
+    rows = torch.arange(m, device=v.device)[None, :]
+    step = max(1, _HIT_ELEMENTS // m)  # bounds the [entries, M] terms held at once
+    for a in range(0, il.numel(), step):
+        bl, bj, bd = il[a : a + step], ij[a : a + step], idim[a : a + step]
+        term = torch.where(allowed3[bl, :, bj], probs3[bl, :, bj] * v3[bl, bj, bd][:, None], 0)
+        out3 = out3.index_put((bl[:, None], rows, bd[:, None]), term, accumulate=True)
+    return out3.view(out.shape)
+
+
+def value_hits(
+    v: torch.Tensor, n_heads: int, n_queries: int, allowed: Callable[[int, int], torch.Tensor]
+) -> torch.Tensor | None:
+    """Where rows attend non-finite values: float [B, Hq, Nq, D] holding NaN, +inf or -inf where the row attends
+    such values in that channel (NaN for both signs of inf), 0 elsewhere; None if v is finite.
+
+    allowed(a, n): bool [B, Hq, n, Nk], the keys query rows a .. a + n - 1 attend (the backend's selection).
+    """
+    if bool(v.isfinite().all()):
+        return None
+    b, hkv, nk, d = v.shape
+    g = n_heads // hkv
+    # channels [NaN, +inf, -inf] side by side; a 0/1 matmul counts the attended ones exactly
+    ind = torch.cat([v.isnan(), v == float("inf"), v == float("-inf")], dim=-1).to(torch.float32)
+    hits = v.new_zeros(b, n_heads, n_queries, d)
+    rows = max(1, _HIT_ELEMENTS // max(1, b * n_heads * nk))
+    for a in range(0, n_queries, rows):
+        n = min(rows, n_queries - a)
+        mask = allowed(a, n).to(torch.float32).reshape(b, hkv, g * n, nk)
+        count = (mask @ ind).reshape(b, n_heads, n, 3, d) > 0
+        nan = count[..., 0, :] | (count[..., 1, :] & count[..., 2, :])
+        value = torch.where(count[..., 1, :], float("inf"), torch.where(count[..., 2, :], float("-inf"), 0.0))
+        hits[:, :, a : a + n] = value.masked_fill(nan, float("nan")).to(hits.dtype)
+    return hits
+
+
+def moba_allowed(q: torch.Tensor, k: torch.Tensor, **gate) -> Callable[[int, int], torch.Tensor]:
+    """`value_hits`' allowed(a, n) for MoBA: the shared selection, causal (gate: block_size, top_k, pooling, ...)."""
+    nq, nk = q.shape[2], k.shape[2]
+    block_size = effective_block_size(gate["block_size"], nk)
+    key_block = torch.arange(nk, device=q.device) // block_size
+
+    def allowed(a: int, n: int) -> torch.Tensor:
+        sel = selected_blocks(q[:, :, a : a + n], k, q_start=nk - nq + a, **gate)
+        q_pos = torch.arange(nk - nq + a, nk - nq + a + n, device=q.device)
+        return sel[..., key_block] & (torch.arange(nk, device=q.device)[None, :] <= q_pos[:, None])
+
+    return allowed
+
+
+def propagate_nonfinite(
+    attend: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    q: torch.Tensor,
+    v: torch.Tensor,
+    allowed: Callable[[int, int], torch.Tensor],
+) -> torch.Tensor:
+    """attend(q, v) -> [B, Hq, Nq, D] run on finite copies of q and v, then the NaN / inf rule above applied on top.
+
+    allowed: as in `value_hits`, computed from the original q (the selection a row made with its NaN query does
+    not matter: the row is NaN). Gradients flow through the finite copies: finite rows keep finite gradients.
+    """
+    q_bad = ~q.isfinite()
+    v_bad = ~v.isfinite()
+    out = attend(q.masked_fill(q_bad, 0), v.masked_fill(v_bad, 0))
+    hits = value_hits(v, q.shape[1], q.shape[2], allowed)
+    if hits is not None:
+        out = torch.where(hits != 0, hits.to(out.dtype), out)
+    return out.masked_fill(q_bad.any(dim=-1, keepdim=True), float("nan"))
+
+
+def _causal_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """`causal_attention` for non-finite keys / values: masked scores, exact for NaN / inf, in row slices."""
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    scale = d**-0.5 if scale is None else scale
+    dtype = gate_dtype(q.dtype)
+    kf, vf = (t.to(dtype).repeat_interleave(hq // hkv, dim=1) for t in (k, v))
+    rows = max(1, _HIT_ELEMENTS // max(1, b * hq * nk))
+    out = []
+    for a in range(0, nq, rows):
+        q_pos = torch.arange(nk - nq + a, nk - nq + min(nq, a + rows), device=q.device)
+        allowed = torch.arange(nk, device=q.device)[None, :] <= q_pos[:, None]
+        scores = (q[:, :, a : a + rows].to(dtype) @ kf.transpose(-1, -2)) * scale
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+        out.append(masked_matmul(probs, allowed, vf))
+    return torch.cat(out, dim=2).to(q.dtype)
+
+
+class _ValueOf(torch.autograd.Function):
+    """y's value with x's gradient (x, y of one shape)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def finite_key_gradients(attend: Callable[[torch.Tensor], torch.Tensor], k: torch.Tensor) -> torch.Tensor:
+    """attend(k) with the gradients of attend(k with its NaN / inf entries zeroed), for kernels whose backward
+    multiplies a masked score's zero gradient by its key (0 * NaN would reach rows that never saw the key).
+    The rows that do see a non-finite key keep their NaN value; their gradients, and the others', stay finite."""
+    with torch.no_grad():
+        value = attend(k)
+    return _ValueOf.apply(attend(k.masked_fill(~k.isfinite(), 0)), value)
+
+
+def needs_finite_key_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return grad and not all_finite(k)

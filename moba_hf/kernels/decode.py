@@ -15,7 +15,16 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_moba_args, gate_dtype, gate_queries, gate_width, pooled_keys, selected_blocks
+from .common import (
+    check_inputs,
+    check_moba_args,
+    gate_dtype,
+    gate_queries,
+    gate_width,
+    masked_matmul,
+    pooled_keys,
+    selected_blocks,
+)
 
 
 def check_decode_args(
@@ -30,7 +39,9 @@ def check_decode_args(
     sink_blocks: int,
     local_blocks: int,
     starts: torch.Tensor | None,
+    scale: object = None,
 ) -> None:
+    check_inputs(q, k, v, scale)
     check_moba_args(
         q, k, v, block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
     )
@@ -127,6 +138,7 @@ def moba_decode(
         sink_blocks=sink_blocks,
         local_blocks=local_blocks,
         starts=starts,
+        scale=scale,
     )
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
@@ -176,7 +188,7 @@ def moba_decode(
 
     scores = (q.reshape(b, hkv, g * nq, d).to(dtype) @ k_sel.transpose(-1, -2)) * scale
     probs = scores.masked_fill(~valid, float("-inf")).softmax(dim=-1)
-    out = (probs @ v_sel).view(b, hq, nq, d).to(q.dtype)
+    out = masked_matmul(probs, valid, v_sel).view(b, hq, nq, d).to(q.dtype)  # NaN values reach only their rows
     return (out, selected) if return_selection else out
 
 

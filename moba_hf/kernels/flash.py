@@ -27,7 +27,18 @@ import re
 import torch
 import torch.nn.functional as F
 
-from .common import check_moba_args, gate_dtype, num_blocks, selection_slices
+from .common import (
+    check_moba_args,
+    effective_block_size,
+    finite_key_gradients,
+    gate_dtype,
+    has_nonfinite,
+    moba_allowed,
+    needs_finite_key_gradients,
+    num_blocks,
+    propagate_nonfinite,
+    selection_slices,
+)
 
 try:
     import flash_attn
@@ -67,7 +78,9 @@ def _attend(q, k, v, q_lens, k_lens, scale, causal, surrogate):
     dtype = gate_dtype(q.dtype)
     lse = lse.detach().t().to(dtype)
     if surrogate:
-        u = flash_attn_varlen_func(q.detach(), k.detach(), k, *args, softmax_scale=scale, causal=causal)
+        # k in the value slot: a NaN / inf key would spread (0 * NaN) to every row and turn s - s.detach() into NaN
+        k_value = k.masked_fill(~k.isfinite(), 0)
+        u = flash_attn_varlen_func(q.detach(), k.detach(), k_value, *args, softmax_scale=scale, causal=causal)
         s = scale * (q.to(dtype) * u.to(dtype)).sum(-1)
         lse = lse + (s - s.detach())
     return out, lse
@@ -111,11 +124,24 @@ def moba_attention_flash(
     check_moba_args(
         q, k, v, block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
     )
+    block_size = effective_block_size(block_size, k.shape[2])  # bounded by the sequence
     if not _runnable(q):
         raise ValueError(
             "backend 'flash' needs CUDA float16/bfloat16 tensors with head_dim <= 256 on an sm80+ GPU, got "
             f"device {q.device}, dtype {q.dtype}, head_dim {q.shape[-1]}"
         )
+    if has_nonfinite(q, v):
+        gate = dict(
+            block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
+        )
+        return propagate_nonfinite(
+            lambda q_, v_: moba_attention_flash(q_, k, v_, scale=scale, **gate), q, v, moba_allowed(q, k, **gate)
+        )
+    if needs_finite_key_gradients(q, k, v):
+        gate = dict(
+            block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
+        )
+        return finite_key_gradients(lambda k_: moba_attention_flash(q, k_, v, scale=scale, **gate), k)
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     g, bs = hq // hkv, block_size

@@ -16,7 +16,16 @@ import logging
 
 import torch
 
-from .common import check_moba_args, num_blocks, selection_slices
+from .common import (
+    all_finite,
+    check_moba_args,
+    effective_block_size,
+    has_nonfinite,
+    moba_allowed,
+    num_blocks,
+    propagate_nonfinite,
+    selection_slices,
+)
 from .torch_impl import moba_attention_torch
 
 logger = logging.getLogger("moba_hf")
@@ -132,7 +141,15 @@ def moba_attention_flex(
     check_moba_args(
         q, k, v, block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
     )
+    block_size = effective_block_size(block_size, k.shape[2])  # bounded by the sequence
+    gate = dict(block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks)
+    if has_nonfinite(q, v):
+        return propagate_nonfinite(
+            lambda q_, v_: moba_attention_flex(q_, k, v_, scale=scale, **gate), q, v, moba_allowed(q, k, **gate)
+        )
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if not all_finite(k):  # compiled FlexAttention (CPU) drops NaN scores: the row would hide the NaN
+        return moba_attention_torch(q, k, v, scale=scale, **gate)
     if needs_grad and q.device.type == "cpu":  # FlexAttention has no CPU backward
         if not _warned:
             _warned.append(True)

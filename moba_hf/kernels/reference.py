@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_moba_args, gate_dtype, selected_blocks
+from .common import check_moba_args, effective_block_size, gate_dtype, masked_matmul, selected_blocks
 
 
 def moba_attention_reference(
@@ -27,6 +27,7 @@ def moba_attention_reference(
     check_moba_args(
         q, k, v, block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
     )
+    block_size = effective_block_size(block_size, k.shape[2])  # bounded by the sequence
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     scale = d**-0.5 if scale is None else scale
@@ -44,4 +45,5 @@ def moba_attention_reference(
     v_rep = v.to(dtype).repeat_interleave(group, dim=1)
     scores = (q.to(dtype) @ k_rep.transpose(-1, -2)) * scale
     probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
-    return (probs @ v_rep).to(q.dtype)
+    # a matmul would spread a NaN value to rows that never attend it (0 * NaN = NaN)
+    return masked_matmul(probs, allowed, v_rep).to(q.dtype)

@@ -23,7 +23,18 @@ import threading
 
 import torch
 
-from .common import check_moba_args, gate_dtype, num_blocks, selection_slices
+from .common import (
+    all_finite,
+    check_moba_args,
+    effective_block_size,
+    gate_dtype,
+    has_nonfinite,
+    masked_matmul,
+    moba_allowed,
+    num_blocks,
+    propagate_nonfinite,
+    selection_slices,
+)
 
 # working-set bounds: small enough to keep memory ~ N * top_k * block_size, big enough for efficient kernels
 # gated rows per fused-batch entry: a group's last chunk is padded, so small blocks (few rows per group) want
@@ -96,7 +107,20 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 def fused_available(t: torch.Tensor) -> bool:
     """Whether the fused CPU flash-attention ops serve `t` (CPU tensor, ops present, not switched off)."""
-    return use_fused and _FUSED_FWD is not None and _FUSED_BWD is not None and t.device.type == "cpu"
+    on = use_fused and not getattr(_threads, "no_fused", False)
+    return on and _FUSED_FWD is not None and _FUSED_BWD is not None and t.device.type == "cpu"
+
+
+@contextlib.contextmanager
+def _fused_if(finite_keys: bool):
+    """The fused op turns a row whose scores are all NaN (one visible key, a NaN) into output 0, log-sum-exp 0:
+    with non-finite keys the pieces run as matmuls, which keep the NaN."""
+    before = getattr(_threads, "no_fused", False)
+    _threads.no_fused = before or not finite_keys
+    try:
+        yield
+    finally:
+        _threads.no_fused = before
 
 
 def _offset_mask(nq: int, nk: int, offset: int, like: torch.Tensor) -> torch.Tensor:
@@ -122,10 +146,11 @@ def attention_with_lse(
     hk = k.shape[1]
     q5 = q.reshape(b, hk, hq // hk, n, d)
     s = (q5 @ k[:, :, None].transpose(-1, -2)) * scale
-    if offset is not None:
-        s = s + _offset_mask(n, m, offset, s)
+    if offset is not None:  # masked_fill, not + mask: a masked NaN key must not reach the row (NaN + -inf = NaN)
+        s = s.masked_fill(_offset_mask(n, m, offset, s) != 0, float("-inf"))
     lse = s.logsumexp(dim=-1)
-    out = (s - lse[..., None]).exp() @ v[:, :, None]
+    # a piece whose only keys score -inf (an inf key) adds nothing to the merge: out 0, lse -inf (not NaN)
+    out = (s - lse.masked_fill(lse == float("-inf"), 0)[..., None]).exp() @ v[:, :, None]
     return out.reshape(b, hq, n, d), lse.reshape(b, hq, n)
 
 
@@ -153,13 +178,16 @@ def _piece_bwd(
     q5, do5, o5 = (t.reshape(b, hk, g, n, d) for t in (q, do, o))
     k5, v5 = k[:, :, None], v[:, :, None]
     s = (q5 @ k5.transpose(-1, -2)) * scale
+    allowed = None
     if offset is not None:
-        s = s + _offset_mask(n, m, offset, s)
+        allowed = _offset_mask(n, m, offset, s) == 0
+        s = s.masked_fill(~allowed, float("-inf"))
     p = (s - lse.reshape(b, hk, g, n, 1)).exp()
     dv = (p.transpose(-1, -2) @ do5).sum(2)
     dp = do5 @ v5.transpose(-1, -2)
     ds = p * (dp - (do5 * o5).sum(-1, keepdim=True))
-    dq = (ds @ k5) * scale
+    # a masked NaN key must not reach dq through ds = 0 (0 * NaN)
+    dq = (ds @ k5 if allowed is None else masked_matmul(ds, allowed, k5.expand(-1, -1, g, -1, -1))) * scale
     dk = (ds.transpose(-1, -2) @ q5).sum(2) * scale
     return dq.reshape(b, hq, n, d), dk, dv
 
@@ -184,6 +212,7 @@ class _Plan:
         b, hq, nq, _ = q.shape
         hkv, nk = k.shape[1], k.shape[2]
         bs, g = block_size, hq // hkv
+        self.finite_keys = all_finite(k)
         nb = num_blocks(nk, bs)
         start = nk - nq
         dev = q.device
@@ -206,7 +235,7 @@ class _Plan:
         if rows.numel() == 0:
             return
         count, chunk = variants
-        if fused_available(q) and rows.numel() >= _GROUP_ROWS * (b * hkv * nb):
+        if fused_available(q) and self.finite_keys and rows.numel() >= _GROUP_ROWS * (b * hkv * nb):
             self._grouped(rows, blocks)
         else:
             self._chunked(rows, blocks, _batch_rows(dev, bs))
@@ -453,7 +482,7 @@ class _MobaTorch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan, block_size, scale):
         dtype = gate_dtype(q.dtype)
-        with _serial(q):
+        with _serial(q), _fused_if(plan.finite_keys):
             out, lse = _forward(q, k, v, plan, block_size, scale, dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.block_size, ctx.scale, ctx.dtype = plan, block_size, scale, dtype
@@ -462,7 +491,7 @@ class _MobaTorch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        with _serial(q):
+        with _serial(q), _fused_if(ctx.plan.finite_keys):
             dq, dk, dv = _backward(grad_out, q, k, v, out, lse, ctx.plan, ctx.block_size, ctx.scale, ctx.dtype)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
@@ -486,6 +515,14 @@ def moba_attention_torch(
     check_moba_args(
         q, k, v, block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
     )
+    block_size = effective_block_size(block_size, k.shape[2])  # bounded by the sequence
+    if has_nonfinite(q, v):
+        gate = dict(
+            block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
+        )
+        return propagate_nonfinite(
+            lambda q_, v_: moba_attention_torch(q_, k, v_, scale=scale, **gate), q, v, moba_allowed(q, k, **gate)
+        )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     # transformers hands over [B, N, H, D] transposed views; gathering rows of strided tensors is several times
     # slower than one copy (with block 64 it made an 8K forward 1.7x slower)
@@ -538,5 +575,6 @@ def moba_attention_torch_variants(
     with _serial(q):
         plan = _Plan(q, k, block_size, [(0, selected & ~own)], variants=(len(queries), variant_chunk))
         q_gated = torch.cat([t.to(q.dtype) for t in queries], dim=0) if len(queries) > 1 else None
-        out, _ = _forward(q, k, v, plan, block_size, scale, gate_dtype(q.dtype), q_gated)
+        with _fused_if(plan.finite_keys):
+            out, _ = _forward(q, k, v, plan, block_size, scale, gate_dtype(q.dtype), q_gated)
     return out

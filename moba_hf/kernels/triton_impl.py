@@ -25,7 +25,18 @@ import os
 
 import torch
 
-from .common import check_moba_args, gate_dtype, num_blocks, selection_slices
+from .common import (
+    check_moba_args,
+    effective_block_size,
+    finite_key_gradients,
+    gate_dtype,
+    has_nonfinite,
+    moba_allowed,
+    needs_finite_key_gradients,
+    num_blocks,
+    propagate_nonfinite,
+    selection_slices,
+)
 
 try:
     import triton
@@ -332,8 +343,21 @@ def moba_attention_triton(
     check_moba_args(
         q, k, v, block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
     )
+    block_size = effective_block_size(block_size, k.shape[2])  # bounded by the sequence
     if not _supports(q):
         raise ValueError(f"backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), got device {q.device}")
+    if has_nonfinite(q, v):
+        gate = dict(
+            block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
+        )
+        return propagate_nonfinite(
+            lambda q_, v_: moba_attention_triton(q_, k, v_, scale=scale, **gate), q, v, moba_allowed(q, k, **gate)
+        )
+    if needs_finite_key_gradients(q, k, v):
+        gate = dict(
+            block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
+        )
+        return finite_key_gradients(lambda k_: moba_attention_triton(q, k_, v, scale=scale, **gate), k)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     slots = _slot_lists(
         q, k, block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
