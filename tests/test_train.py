@@ -112,7 +112,7 @@ def test_checkpoint_round_trip(tmp_path):
     moba_hf.apply(model, config.moba)  # the run ended in full attention; compare both in MoBA mode
     ids = torch.randint(0, 128, (1, 40))
     with torch.no_grad():
-        torch.testing.assert_close(reloaded(ids).logits, model.eval()(ids).logits)
+        torch.testing.assert_close(reloaded(ids).logits, model.eval()(ids).logits, rtol=0, atol=0)  # same weights
 
 
 BACKEND_NAMES = [b for b in BACKENDS if b not in ("auto", "reference")]
@@ -122,7 +122,9 @@ BACKEND_NAMES = [b for b in BACKENDS if b not in ("auto", "reference")]
 def test_every_backend_trains_like_the_reference(tmp_path, backend):
     """Liger-style convergence check: 4 steps with `backend` vs the reference, same losses and parameters.
     Plain SGD, so parameter differences are gradient differences (Adam would magnify float noise in
-    near-zero gradients)."""
+    near-zero gradients). The backends order the same sums differently; each reduction has at most
+    N = 2 rows x 64 tokens terms, so losses get rtol N * eps, and parameters, moved by lr x a gradient clipped
+    to norm 1 per step, atol steps * lr * N * eps (measured: 2e-7 and 1.2e-7, ~100x inside)."""
     if not backend_available(backend):
         pytest.skip(f"backend {backend!r} not available here")
     runs = {}
@@ -136,12 +138,13 @@ def test_every_backend_trains_like_the_reference(tmp_path, backend):
         model = tiny_model()
         runs[name] = (train(config, model=model, dataset=tiny_dataset()).losses, model)
     (ref_losses, ref_model), (losses, model) = runs["reference"], runs[backend]
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
+    n, eps = 2 * 64, torch.finfo(torch.float32).eps
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=n * eps, atol=0)
+    atol = 4 * 0.5 * n * eps
     for (name, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
-    assert not torch.equal(
-        ref_model.model.layers[0].self_attn.q_proj.weight, tiny_model().model.layers[0].self_attn.q_proj.weight
-    )
+        torch.testing.assert_close(p, q, rtol=0, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+    moved = min((p - q).abs().max() for p, q in zip(ref_model.parameters(), tiny_model().parameters(), strict=True))
+    assert moved > 5 * atol, moved  # every tensor moves well beyond what rounding may explain
 
 
 def test_gradient_checkpointing_gives_the_same_training(tmp_path):
@@ -149,7 +152,7 @@ def test_gradient_checkpointing_gives_the_same_training(tmp_path):
     for checkpointing in (False, True):
         config = tiny_config(tmp_path, model={"gradient_checkpointing": checkpointing}, train={"max_steps": 3})
         runs.append(train(config, model=tiny_model(), dataset=tiny_dataset()).losses)
-    torch.testing.assert_close(torch.tensor(runs[1]), torch.tensor(runs[0]), rtol=1e-6, atol=1e-6)
+    assert runs[1] == runs[0]  # recomputation repeats the same arithmetic in the same order: bit-identical
 
 
 def test_lora_and_trainable_subsets(tmp_path):

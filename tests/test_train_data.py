@@ -1,6 +1,7 @@
 """Training data: packing layout, readers, the synthetic retrieval generator, and no attention across documents."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,8 +9,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 import moba_hf
 from moba_hf.eval.passkey import QUESTION, build_prompt, passkey_line
-from moba_hf.integration.layout import sequence_spans
-from moba_hf.train import Document, collate, pack, read_documents
+from moba_hf.integration.layout import document_ids
+from moba_hf.train import Document, TrainConfig, build_dataset, collate, pack, read_documents
 from moba_hf.train.data import IGNORE
 from moba_hf.train.synthetic import TEMPLATES
 
@@ -48,14 +49,8 @@ def test_pack_rejects_bad_input():
 def test_collate_and_document_ids_match_layout():
     batch = collate(pack([doc(1, 2, 3), doc(4, 5, 6, 7, 8), doc(9)], 4))
     assert batch["input_ids"].shape == batch["position_ids"].shape == (3, 4)
-    spans = sequence_spans(None, batch["position_ids"], 3, 4, 4)
-    assert [(row, keys.tolist()) for row, keys in spans] == [
-        (0, [0, 1, 2]),
-        (0, [3]),
-        (1, [0, 1, 2, 3]),
-        (2, [0]),
-        (2, [1, 2, 3]),
-    ]
+    # the documents the attention splits each row into: [a a a | b] [b b b b] [c | pad pad pad]
+    assert document_ids(batch["position_ids"]).tolist() == [[0, 0, 0, 1], [0, 0, 0, 0], [0, 1, 1, 1]]
 
 
 def test_read_documents_text_jsonl_and_token_ids(tmp_path):
@@ -78,6 +73,48 @@ def test_read_documents_text_jsonl_and_token_ids(tmp_path):
     assert read_documents(str(tmp_path / "c.jsonl"), None)[0].input_ids == [5, 6, 7]
     with pytest.raises(ValueError, match="tokenizer"):
         read_documents(str(tmp_path / "a.txt"), None)
+
+
+def test_rows_without_a_target_are_refused_or_dropped(tmp_path, caplog):
+    """A row whose labels[1:] are all IGNORE trains nothing (loss 0, grad_norm 0, Adam still moves): none at
+    all is refused, some are dropped with one warning that counts them."""
+    answer_last = {"input_ids": list(range(1, 11)), "labels": [IGNORE] * 9 + [10]}  # a target only at token 9
+    (tmp_path / "d.jsonl").write_text(json.dumps(answer_last) + "\n")
+
+    def dataset(**data):
+        return build_dataset(TrainConfig.from_dict({"data": {"source": str(tmp_path / "d.jsonl"), **data}}), None)
+
+    with pytest.raises(ValueError, match=r"data.seq_len=8 leaves no trainable target in any of the 1 packed rows"):
+        dataset(seq_len=8, split_documents=False)  # the document is cut to 8 tokens, before its target
+    with pytest.raises(ValueError, match=r"use data.seq_len >= 10 .* or data.split_documents = true"):
+        dataset(seq_len=8, split_documents=False)
+    assert len(dataset(seq_len=10, split_documents=False)) == 1
+    with caplog.at_level("WARNING", logger="moba_hf"):
+        rows = dataset(seq_len=4)  # rows [1-4] [5-8] [9 10 pad pad]: only the last holds the target
+    assert [r["input_ids"].tolist() for r in rows] == [[9, 10, 0, 0]]
+    assert [m for m in caplog.messages if "packed rows" in m] == [
+        "moba_hf: dropped 2 of 3 packed rows that hold no trainable target at data.seq_len=4"
+    ]
+    (tmp_path / "d.jsonl").write_text(json.dumps({"input_ids": [1, 2, 3], "labels": [IGNORE] * 3}) + "\n")
+    with pytest.raises(ValueError, match="no document has a trainable target"):
+        dataset(seq_len=4)
+
+
+def test_a_target_at_row_position_zero_does_not_count():
+    """The loss shifts labels by one, so a label at a row's first position is never predicted."""
+    from moba_hf.train.data import has_target
+
+    row = pack([Document([1, 2, 3, 4, 5], [IGNORE] * 4 + [5])], 4)[1]
+    assert row["labels"].tolist() == [5, IGNORE, IGNORE, IGNORE] and not has_target(row)
+
+
+@pytest.mark.slow
+def test_the_cpu_demo_at_seq_len_8_is_refused(tokenizer):
+    """The retrieval mixture trains on answers at each document's end: 8-token rows would hold none."""
+    demo = TrainConfig.from_file(Path(__file__).parent.parent / "configs" / "train_cpu_demo.toml")
+    config = demo.replace("data", seq_len=8, num_documents=4)
+    with pytest.raises(ValueError, match=r"data.seq_len=8 leaves no trainable target .* data.seq_len >= \d+"):
+        build_dataset(config, tokenizer)
 
 
 def test_template_zero_is_the_passkey_eval_wording():
@@ -108,11 +145,7 @@ TINY = {
 }
 
 
-@pytest.mark.parametrize("attn", ["moba", "sdpa"])
-@pytest.mark.parametrize("arch", sorted(TINY))
-def test_packed_row_never_attends_across_documents(arch, attn):
-    """Probe: in a packed row [A | B | C], changing A's tokens leaves B's and C's logits unchanged, and B's
-    logits equal those of B run alone. Blocks (8) straddle the document boundaries (13, 30)."""
+def tiny(arch, attn):
     model_cls, config_cls = TINY[arch]
     config = config_cls(
         vocab_size=128,
@@ -126,6 +159,12 @@ def test_packed_row_never_attends_across_documents(arch, attn):
     model = model_cls(config).eval()
     if attn == "moba":
         moba_hf.apply(model, moba_hf.MobaConfig(block_size=8, top_k=2))
+    return model
+
+
+def assert_documents_apart(model):
+    """Probe: in a packed row [A | B | C], changing A's tokens leaves B's and C's logits unchanged, and B's
+    logits equal those of B run alone. Blocks (8) straddle the document boundaries (13, 30)."""
     lengths = (13, 17, 10)
     row = collate(pack([doc(*torch.randint(0, 128, (n,)).tolist()) for n in lengths], sum(lengths)))
     row.pop("labels")
@@ -136,5 +175,47 @@ def test_packed_row_never_attends_across_documents(arch, attn):
         logits_changed = model(**changed, use_cache=False).logits[0]
         alone_b = model(input_ids=row["input_ids"][:, 13:30], use_cache=False).logits[0]
     assert not torch.allclose(logits[:13], logits_changed[:13])  # the probe does reach document A
-    torch.testing.assert_close(logits_changed[13:], logits[13:], rtol=0, atol=1e-5)
-    torch.testing.assert_close(logits[13:30], alone_b, rtol=1e-4, atol=1e-5)
+    # exact: B's and C's arithmetic sees A only through masked scores, whose weights are exactly 0
+    torch.testing.assert_close(logits_changed[13:], logits[13:], rtol=0, atol=0)
+    # B alone runs other shapes, so other summation orders over at most 128 terms (intermediate_size):
+    # 128 eps of the largest logit (measured: 1.2e-7 of 0.57, ~30x inside)
+    atol = 128 * torch.finfo(torch.float32).eps * alone_b.abs().max().item()
+    torch.testing.assert_close(logits[13:30], alone_b, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("attn", ["moba", "sdpa"])
+@pytest.mark.parametrize("arch", sorted(TINY))
+def test_packed_row_never_attends_across_documents(arch, attn):
+    assert_documents_apart(tiny(arch, attn))
+
+
+def probe_distributed() -> None:
+    """`torchrun --nproc_per_node 2 tests/test_train_data.py --distributed`: the probe with the model wrapped in
+    DDP, and with every decoder layer and the model sharded by fully_shard (FSDP2), over gloo;
+    tests/test_train_distributed.py runs it."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo")
+    for arch in sorted(TINY):
+        for attn in ("moba", "sdpa"):
+            torch.manual_seed(0)  # the same weights and rows on every rank
+            assert_documents_apart(DistributedDataParallel(tiny(arch, attn)))
+            torch.manual_seed(0)
+            model = tiny(arch, attn)
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+            assert type(model.model.layers[0].self_attn.q_proj.weight).__name__ == "DTensor"
+            assert_documents_apart(model)
+    print(f"rank {dist.get_rank()}: probe passed under DDP and FSDP2", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] == ["--distributed"]:
+        torch.set_num_threads(1)
+        probe_distributed()

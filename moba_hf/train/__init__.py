@@ -4,7 +4,7 @@ from .config import TrainConfig
 from .data import Document, PackedDataset, collate, pack, read_documents
 from .schedule import AttentionSchedule
 from .synthetic import retrieval_document, retrieval_mixture
-from .trainer import TrainResult, build_dataset, build_trainer, load_model, prepare_model, train
+from .trainer import TrainResult, build_dataset, build_trainer, last_checkpoint, load_model, prepare_model, train
 
 __all__ = [
     "AttentionSchedule",
@@ -15,6 +15,7 @@ __all__ = [
     "build_dataset",
     "build_trainer",
     "collate",
+    "last_checkpoint",
     "load_model",
     "pack",
     "prepare_model",

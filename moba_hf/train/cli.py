@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import os
+import sys
 from typing import Any
 
 
@@ -13,7 +15,7 @@ def add_commands(subparsers: Any) -> None:
     )
     p.add_argument("config", help="training config (.toml / .json / .yaml), see configs/train_cpu_demo.toml")
     p.add_argument("--model", help="override [model] name: an embedded name, a local path or a hub id")
-    p.add_argument("--output-dir", help="override [train] output_dir")
+    p.add_argument("--out", "--output-dir", dest="output_dir", help="override [train] output_dir (default runs/moba)")
     p.add_argument("--max-steps", type=int, help="override [train] max_steps")
     p.add_argument(
         "--set",
@@ -21,6 +23,11 @@ def add_commands(subparsers: Any) -> None:
         default=[],
         metavar="SECTION.KEY=VALUE",
         help="override any key, e.g. --set moba.top_k=4 --set train.learning_rate=2e-4 (repeatable)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in the output dir (written every [train] save_steps)",
     )
     p.set_defaults(func=run)
 
@@ -52,7 +59,7 @@ def load_config(path: str, overrides: list[str] = (), direct: dict[tuple[str, st
 
 
 def run(args: argparse.Namespace) -> int:
-    from .trainer import train
+    from .trainer import last_checkpoint, train
 
     config = load_config(
         args.config,
@@ -63,9 +70,18 @@ def run(args: argparse.Namespace) -> int:
             ("train", "max_steps"): args.max_steps,
         },
     )
-    result = train(config)
+    try:
+        result = train(config, resume=args.resume)
+    except KeyboardInterrupt:
+        checkpoint = last_checkpoint(config.train.output_dir)
+        where = f"the last checkpoint is {checkpoint}; continue with --resume" if checkpoint else "no checkpoint saved"
+        if os.environ.get("RANK", "0") == "0":  # one line per run, not per process
+            print(f"moba-hf train: interrupted; {where}", file=sys.stderr)
+        return 130
     if not result.is_main_process:
         return 0
+    if result.resumed_from is not None:
+        print(f"resumed from {result.resumed_from}")
     if result.losses:
         print(f"loss: first {result.losses[0]:.4f} last {result.losses[-1]:.4f} over {len(result.losses)} logs")
     if result.output_dir is not None:

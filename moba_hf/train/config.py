@@ -6,7 +6,8 @@
 [schedule]  moba_fraction: MoBA for this fraction of the optimizer steps, then full attention (paper: 0.9);
             1.0 = MoBA throughout. The SFT recipe (last N layers full) is [moba] full_attn_layers = N.
 [data]      source = "synthetic" | file.txt | file.jsonl | a `datasets` name; seq_len; split_documents ...
-[train]     output_dir, max_steps, batch_size, gradient_accumulation_steps, learning_rate, precision, ...
+[train]     output_dir, max_steps, batch_size, gradient_accumulation_steps, learning_rate, precision,
+            save_steps (checkpoints that `moba-hf train --resume` continues from), ...
 [lora]      enabled, r, alpha, dropout, target_modules (peft)
 """
 
@@ -68,7 +69,9 @@ class TrainSection:
     precision: str = "fp32"
     seed: int = 0
     logging_steps: int = 1
-    save: bool = True
+    save: bool = True  # the final model, in output_dir
+    save_steps: int = 0  # a resumable checkpoint (output_dir/checkpoint-N) every N steps; 0 = none
+    save_total_limit: int = 2  # checkpoints kept (oldest deleted); 0 = all
     sparsity_every: int = 10  # log measured per-layer sparsity every N steps (0 = never)
     fsdp: str = ""  # passed to TrainingArguments(fsdp=...), e.g. "full_shard auto_wrap"
     dataloader_num_workers: int = 0
@@ -112,6 +115,8 @@ class TrainConfig:
         )
         _check(t.learning_rate > 0, "train.learning_rate", t.learning_rate, "> 0")
         _check(t.precision in PRECISIONS, "train.precision", t.precision, f"one of {PRECISIONS}")
+        _check(t.save_steps >= 0, "train.save_steps", t.save_steps, ">= 0")
+        _check(t.save_total_limit >= 0, "train.save_total_limit", t.save_total_limit, ">= 0")
         _check(t.sparsity_every >= 0, "train.sparsity_every", t.sparsity_every, ">= 0")
         _check(lo.r >= 1, "lora.r", lo.r, ">= 1")
 

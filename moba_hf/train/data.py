@@ -10,6 +10,8 @@ documents apart, so no token attends across a document boundary:
     labels        |  -  a1 a2 a3|  -  b1 b2|  -  c1|  -   -  |   (- = -100: no loss)
 
 The first token of each document gets no label, since it would be predicted from the previous document.
+The loss shifts labels by one (logits at t predict labels at t + 1), so a label at a row's position 0 is
+never trained on either: a row trains only if one of labels[1:] is set (`has_target`).
 """
 
 from __future__ import annotations
@@ -154,6 +156,55 @@ def pack(documents: Sequence[Document], seq_len: int, *, split_documents: bool =
     if truncated:
         logger.warning("moba_hf: truncated %d documents longer than seq_len=%d", truncated, seq_len)
     return rows
+
+
+def has_target(row: dict) -> bool:
+    """Does the row train anything? Position 0's label is never predicted (see the module docstring)."""
+    return bool((row["labels"][1:] != IGNORE).any())
+
+
+def first_target(document: Document) -> int | None:
+    """Index of the first label the loss can see (>= 1: the first token of a document gets none), or None."""
+    return next((i for i, t in enumerate(document.labels[1:], 1) if t != IGNORE), None)
+
+
+def drop_untrained_rows(
+    rows: list[dict], documents: Sequence[Document], *, seq_len: int, split_documents: bool
+) -> list[dict]:
+    """The rows with a target; ValueError when none has one, one warning with the count when some have none.
+
+    A row without a target costs a step that logs loss 0 and grad_norm 0, and Adam still moves the weights
+    on its momentum, so such rows are dropped rather than trained on.
+    """
+    kept = [row for row in rows if has_target(row)]
+    if not kept:
+        firsts = [i for i in (first_target(d) for d in documents) if i is not None]
+        if not firsts:
+            raise ValueError(
+                f"no document has a trainable target (every label is {IGNORE}); "
+                "check data.loss_on (e.g. 'all') or the labels of the data source"
+            )
+        if split_documents:
+            hint = (
+                f"a larger data.seq_len (the shortest document has {min(len(d.input_ids) for d in documents)} tokens)"
+            )
+        else:
+            hint = (
+                f"data.seq_len >= {min(firsts) + 1} (documents are cut to seq_len and their first target sits at "
+                f"token {min(firsts)} at the earliest) or data.split_documents = true"
+            )
+        raise ValueError(
+            f"data.seq_len={seq_len} leaves no trainable target in any of the {len(rows)} packed rows "
+            f"(all their labels are {IGNORE}, so every step would log loss 0); use {hint}"
+        )
+    if len(kept) < len(rows):
+        logger.warning(
+            "moba_hf: dropped %d of %d packed rows that hold no trainable target at data.seq_len=%d",
+            len(rows) - len(kept),
+            len(rows),
+            seq_len,
+        )
+    return kept
 
 
 class PackedDataset(torch.utils.data.Dataset):

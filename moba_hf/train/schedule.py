@@ -6,6 +6,8 @@
 The switch is a change of `model.config._attn_implementation` ("moba" <-> "sdpa"), which every attention
 layer reads at each forward, so it works the same under DDP / FSDP wrappers and peft. `moba_config` stays in
 the model config through the full-attention phase, so the saved checkpoint reloads with the trained setting.
+The phase follows `state.global_step`, so a resumed run picks it up; each checkpoint also carries the modes
+and sparsity so far (attention_schedule.json) for the resumed run's record.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from ..config import MobaConfig
 from ..integration import apply, track_sparsity
 
 logger = logging.getLogger("moba_hf")
+SCHEDULE_FILE = "attention_schedule.json"
 
 
 def base_model(model: Any) -> Any:
@@ -51,6 +54,23 @@ class AttentionSchedule(TrainerCallback):
         self.history: list[dict] = []
         self._tracking: contextlib.ExitStack | None = None
         self._stats = None
+
+    def load(self, checkpoint: Path, is_world_process_zero: bool = True) -> None:
+        """Take the record of a checkpoint's steps; sparsity.jsonl is cut back to them (later steps rerun)."""
+        path = Path(checkpoint) / SCHEDULE_FILE
+        record = json.loads(path.read_text()) if path.is_file() else {"modes": {}, "history": []}
+        self.modes = {int(step): mode for step, mode in record["modes"].items()}
+        # JSON keys are strings; layer indices are ints in a live run
+        self.history = [{**r, "per_layer": {int(k): v for k, v in r["per_layer"].items()}} for r in record["history"]]
+        log = Path(checkpoint).parent / "sparsity.jsonl"
+        if is_world_process_zero and (self.history or log.exists()):
+            log.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+
+    def save(self, checkpoint: Path) -> None:
+        """Write the record into a checkpoint; replace() so a kill mid-write leaves no half file."""
+        tmp = Path(checkpoint) / (SCHEDULE_FILE + ".tmp")
+        tmp.write_text(json.dumps({"modes": self.modes, "history": self.history}))
+        tmp.replace(Path(checkpoint) / SCHEDULE_FILE)
 
     def mode_at(self, step: int) -> str:
         return "full" if self.switch_step is not None and step >= self.switch_step else "moba"

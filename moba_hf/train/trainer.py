@@ -11,15 +11,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import re
+import signal
+import threading
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import Trainer
 
 from ..integration import apply
 from ..models import EMBEDDED
 from .config import TrainConfig
-from .data import PackedDataset, collate, pack, read_documents
+from .data import PackedDataset, collate, drop_untrained_rows, pack, read_documents
 from .schedule import AttentionSchedule, base_model
 from .synthetic import retrieval_mixture
 
@@ -33,6 +38,56 @@ class TrainResult:
     modes: dict[int, str]  # optimizer step -> "moba" / "full"
     sparsity: list[dict]  # measured sparsity records (see AttentionSchedule)
     is_main_process: bool = True
+    resumed_from: Path | None = None  # the checkpoint a `resume=True` run continued from
+
+
+class MobaTrainer(Trainer):
+    """The HF Trainer with two changes: FSDP also on CPU processes, and checkpoints that Ctrl-C cannot cut."""
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        from accelerate.state import PartialState
+        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+        state = self.accelerator.state
+        wanted = self.args.fsdp_plugin_args is not None or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+        if wanted and state.distributed_type == DistributedType.MULTI_CPU:
+            # accelerate shards only on accelerators and silently runs DDP on CPU processes; FSDP2 (fully_shard)
+            # runs over gloo as well, so a CPU run shards exactly as a GPU run does
+            state.fsdp_plugin = FullyShardedDataParallelPlugin(**(self.args.fsdp_plugin_args or {}))
+            state.distributed_type = DistributedType.FSDP
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as AcceleratorState does
+            self.is_fsdp_enabled = True
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+            return self._write_checkpoint(model, trial)
+        interrupted = []
+        previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
+        try:  # Ctrl-C waits for the checkpoint to be whole, then stops the run
+            self._write_checkpoint(model, trial)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        if interrupted:
+            raise KeyboardInterrupt
+
+    def _write_checkpoint(self, model: Any, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save:
+            checkpoint = Path(self._get_output_dir(trial)) / f"checkpoint-{self.state.global_step}"
+            for callback in self.callback_handler.callbacks:
+                if isinstance(callback, AttentionSchedule):
+                    callback.save(checkpoint)
+
+
+def last_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest whole checkpoint in output_dir: checkpoint-N holding trainer_state.json (written last)."""
+    steps = []
+    for path in Path(output_dir).glob("checkpoint-*"):
+        match = re.fullmatch(r"checkpoint-(\d+)", path.name)
+        if match and (path / "trainer_state.json").is_file():
+            steps.append((int(match.group(1)), path))
+    return max(steps)[1] if steps else None
 
 
 def load_model(config: TrainConfig) -> tuple[Any, Any]:
@@ -101,7 +156,7 @@ def build_dataset(config: TrainConfig, tokenizer: Any) -> PackedDataset:
     rows = pack(docs, data.seq_len, split_documents=data.split_documents, pad_id=pad)
     if not rows:
         raise ValueError(f"data source {data.source!r} gave no tokens to train on")
-    return PackedDataset(rows)
+    return PackedDataset(drop_untrained_rows(rows, docs, seq_len=data.seq_len, split_documents=data.split_documents))
 
 
 def training_arguments(config: TrainConfig, output_dir: str | Path) -> Any:
@@ -109,6 +164,8 @@ def training_arguments(config: TrainConfig, output_dir: str | Path) -> Any:
 
     t = config.train
     extra = {} if t.shuffle else {"train_sampling_strategy": "sequential"}
+    if t.save_steps:
+        extra.update(save_steps=t.save_steps, save_total_limit=t.save_total_limit or None)
     return TrainingArguments(
         output_dir=str(output_dir),
         max_steps=t.max_steps,
@@ -124,7 +181,7 @@ def training_arguments(config: TrainConfig, output_dir: str | Path) -> Any:
         seed=t.seed,
         data_seed=t.seed,
         logging_steps=t.logging_steps,
-        save_strategy="no",
+        save_strategy="steps" if t.save_steps else "no",
         report_to=[],
         remove_unused_columns=False,
         dataloader_num_workers=t.dataloader_num_workers,
@@ -148,15 +205,13 @@ def build_trainer(
     callbacks: list | None = None,
 ) -> tuple[Any, AttentionSchedule]:
     """(Trainer, schedule callback) ready for `.train()`; pass `model` / `dataset` to skip loading them."""
-    from transformers import Trainer
-
     if model is None:
         model, tokenizer = load_model(config)
     model = prepare_model(model, config)
     if dataset is None:
         dataset = build_dataset(config, tokenizer)
     schedule = AttentionSchedule(model, config.moba, config.switch_step, sparsity_every=config.train.sparsity_every)
-    trainer = Trainer(
+    trainer = MobaTrainer(
         model=model,
         args=training_arguments(config, output_dir or config.train.output_dir),
         train_dataset=dataset,
@@ -174,14 +229,30 @@ def train(
     dataset: PackedDataset | None = None,
     output_dir: str | Path | None = None,
     callbacks: list | None = None,
+    resume: bool = False,
 ) -> TrainResult:
-    """Train and (if `train.save`) save a checkpoint whose config.json carries `moba_config`."""
+    """Train and (if `train.save`) save a checkpoint whose config.json carries `moba_config`.
+
+    resume=True continues from the newest whole checkpoint in the output directory (`train.save_steps` makes
+    them): weights, optimizer, scheduler, RNG, data position and the MoBA / full phase, as the HF Trainer's
+    resume_from_checkpoint does.
+    """
+    checkpoint = None
+    if resume:
+        checkpoint = last_checkpoint(output_dir or config.train.output_dir)
+        if checkpoint is None:
+            raise ValueError(
+                f"resume: no whole checkpoint (checkpoint-N with trainer_state.json) in "
+                f"{output_dir or config.train.output_dir}; runs leave them when train.save_steps > 0"
+            )
     if model is None:
         model, tokenizer = load_model(config)
     trainer, schedule = build_trainer(
         config, model=model, tokenizer=tokenizer, dataset=dataset, output_dir=output_dir, callbacks=callbacks
     )
-    trainer.train()
+    if checkpoint is not None:
+        schedule.load(checkpoint, trainer.is_world_process_zero())
+    trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     out = Path(trainer.args.output_dir)
     saved = None
@@ -190,9 +261,18 @@ def train(
         saved = out
     if trainer.is_world_process_zero():
         out.mkdir(parents=True, exist_ok=True)
-        summary = {"losses": losses, "modes": schedule.modes, "config": config.to_dict()}
+        summary = {
+            "losses": losses,
+            "grad_norms": [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry],
+            "modes": schedule.modes,
+            "distributed": str(trainer.accelerator.distributed_type.value),  # what really ran: FSDP, MULTI_CPU, ...
+            "num_processes": trainer.accelerator.num_processes,
+            "config": config.to_dict(),
+        }
         (out / "train_summary.json").write_text(json.dumps(summary, indent=1, default=str))
-    return TrainResult(saved, losses, dict(schedule.modes), list(schedule.history), trainer.is_world_process_zero())
+    return TrainResult(
+        saved, losses, dict(schedule.modes), list(schedule.history), trainer.is_world_process_zero(), checkpoint
+    )
 
 
 def save(trainer: Any, config: TrainConfig, tokenizer: Any, output_dir: Path) -> None:
