@@ -1,4 +1,4 @@
-"""Passkey retrieval past the trained context with Dual Chunk Attention (issue 5's quality target).
+"""Passkey retrieval past the trained context with Dual Chunk Attention.
 
 SmolLM2-135M-Instruct was trained to 8K. This measures passkey accuracy at 16K and 32K for the plain model,
 DCA with dense attention, and DCA + MoBA; trials per length sit at depths spread evenly over [0, 1]
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--moba-config",
         default=None,
-        help="MoBA preset name (training-free) or config file for the sparse setting (instead of --block-size / --top-k)",
+        help="MoBA preset (training-free) or config file for the sparse setting (instead of --block-size / --top-k)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write every trial to this JSON file")

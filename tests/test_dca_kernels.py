@@ -16,7 +16,7 @@ TOL = rounding_tol(torch.float64, 50, 2 * 50, 8)
 
 
 def rule_positions(i: int, j: int, c: int, s: int) -> tuple[int, int]:
-    """(query position, key position) of the pair (i, j), straight from the issue's rules."""
+    """(query position, key position) of the pair (i, j), straight from DCA's three rules."""
     if i // s == j // s:
         return i % s, j % s
     if i // s - j // s == 1:

@@ -11,7 +11,7 @@ from moba_hf.kernels import causal_attention, moba_attention, moba_attention_ref
 
 
 def brute_force_moba(q, k, v, block_size, top_k, scale=None, pooling="mean", sink_blocks=0, local_blocks=0):
-    """Loops over every (batch, head, query): the contract of issue 2 written as plainly as possible."""
+    """Loops over every (batch, head, query): the kernel contract written as plainly as possible."""
     q, k, v = q.double(), k.double(), v.double()
     b_, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
