@@ -8,8 +8,8 @@ import torch
 from kernel_cases import rounding_tol
 
 from moba_hf.dca import dca_attention, relative_positions, rotate
-from moba_hf.dca.positions import format_matrix
 from moba_hf.kernels import moba_attention_reference
+from moba_hf.kernels.dca_positions import format_matrix
 
 # every float64 case here: Nq, Nk <= 50, head_dim <= 8; RoPE moves add about position x eps, hence 2 Nk
 TOL = rounding_tol(torch.float64, 50, 2 * 50, 8)
@@ -158,7 +158,7 @@ def test_dense_dca_inference_path_matches_remapped_reference(case, fused, monkey
 
 
 def test_small_tiles_give_the_same_result(monkeypatch):
-    from moba_hf.dca import attention as dca_module
+    from moba_hf.kernels import dca as dca_module
 
     inv_freq = inv_freq_for(8)
     q = torch.randn(2, 4, 35, 8, dtype=torch.float64)

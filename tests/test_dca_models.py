@@ -8,8 +8,8 @@ from transformers.models.llama.modeling_llama import rotate_half
 
 import moba_hf
 from moba_hf import DcaConfig, MobaConfig
-from moba_hf.dca import resolve
 from moba_hf.dca.config import DcaParams
+from moba_hf.integration.dca import resolve
 
 TINY = dict(
     vocab_size=97,

@@ -10,11 +10,11 @@ from kernel_cases import case_tol, moba_inputs, poisoned_inputs, rounding_tol, r
 from kernel_cases import shape_id as _id
 
 from moba_hf.dca import dca_attention, relative_positions
-from moba_hf.dca.positions import MAX_MATRIX_LEN
-from moba_hf.dca.rope import default_inv_freq
 from moba_hf.integration.cache import BlockState
 from moba_hf.kernels import causal_attention, moba_attention, moba_attention_reference, selected_blocks, torch_impl
+from moba_hf.kernels.dca_positions import MAX_MATRIX_LEN
 from moba_hf.kernels.decode import block_keys_from_cache, moba_decode
+from moba_hf.kernels.rope import default_inv_freq
 from moba_hf.kernels.torch_impl import moba_attention_torch
 
 NAN, INF = float("nan"), float("inf")

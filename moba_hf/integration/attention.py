@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from ..config import MobaConfig
-from ..dca import hf as dca_hf
 from ..kernels import causal_attention, moba_attention, resolve_backend
+from . import dca as dca_hf
 from . import sparsity
 from .cache import cached_step
 from .layout import sequence_spans

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from ..config import MobaConfig
-from ..dca.config import resolve as resolve_dca
 from .cache import remove_hooks
+from .dca import resolve as resolve_dca
 from .register import NAME, register
 from .support import check_supported
 

@@ -2,7 +2,7 @@
 
 Inputs are already remapped: keys rotated at ``j mod s`` (as they sit in the KV cache) and queries at
 their intra-chunk position ``i mod s``. The successive / inter query variants are rotations of that query
-(`rope.rotate`). For a query tile inside chunk m the keys split into three contiguous parts::
+(`kernels.rope.rotate`). For a query tile inside chunk m the keys split into three contiguous parts::
 
     keys    [0, (m-1)s)        [(m-1)s, ms)          [ms, i]
     query   inter: c-1         successive            intra: i mod s (causal)
@@ -19,7 +19,7 @@ import numbers
 
 import torch
 
-from ..kernels.common import (
+from .common import (
     all_finite,
     causal_attention,
     check_inputs,
@@ -31,9 +31,9 @@ from ..kernels.common import (
     num_blocks,
     propagate_nonfinite,
 )
-from ..kernels.torch_impl import attention_with_lse, fused_available, moba_attention_torch_variants
-from .positions import INTER, query_positions, region
+from .dca_positions import INTER, query_positions, region
 from .rope import rotate
+from .torch_impl import attention_with_lse, fused_available, moba_attention_torch_variants
 
 # elements of one score tile [B, Hq, T, Nk]: bounds the memory of a prefill (2**27 float32 = 512 MiB)
 TILE_ELEMENTS = 1 << 27
