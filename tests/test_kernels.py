@@ -15,7 +15,7 @@ from kernel_cases import moba_inputs as _inputs
 from kernel_cases import shape_id as _id
 
 from moba_hf import kernels
-from moba_hf.kernels import moba_attention, moba_attention_reference, resolve_backend, torch_impl
+from moba_hf.kernels import dense, moba_attention, moba_attention_reference, resolve_backend, torch_impl
 from moba_hf.kernels.torch_impl import moba_attention_torch
 
 BACKEND_MODULES = {
@@ -74,7 +74,7 @@ LAYOUTS = {"chunked": (True, 1 << 40, 128), "grouped": (True, 0, 4), "matmul": (
 @pytest.mark.parametrize("shape", SHAPES, ids=_id)
 def test_torch_matches_reference_float64(shape, gate, layout, monkeypatch):
     fused, group_rows, own_tile = LAYOUTS[layout]
-    monkeypatch.setattr(torch_impl, "use_fused", fused)
+    monkeypatch.setattr(dense, "use_fused", fused)
     monkeypatch.setattr(torch_impl, "_GROUP_ROWS", group_rows)
     monkeypatch.setattr(torch_impl, "_OWN_TILE", own_tile)
     _assert_matches_reference(moba_attention_torch, shape, gate)

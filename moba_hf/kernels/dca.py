@@ -32,8 +32,9 @@ from .common import (
     propagate_nonfinite,
 )
 from .dca_positions import INTER, query_positions, region
+from .dense import attention_with_lse, fused_available, merge_lse_, merge_partials, partial_attention
 from .rope import rotate
-from .torch_impl import attention_with_lse, fused_available, moba_attention_torch_variants
+from .torch_impl import attention_with_query_variants
 
 # elements of one score tile [B, Hq, T, Nk]: bounds the memory of a prefill (2**27 float32 = 512 MiB)
 TILE_ELEMENTS = 1 << 27
@@ -105,34 +106,6 @@ def dca_selected_blocks(
         )
 
 
-def _part(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, allowed: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Unnormalized softmax attention of one key part.
-
-    q: [B, Hkv, G*T, D]; k, v: [B, Hkv, L, D]; allowed: bool broadcastable to [B, Hkv, G*T, L] or None.
-    Returns (sum_j e_j v_j [B, Hkv, G*T, D], row max [.., 1], row sum [.., 1]) with e_j = exp(score_j - max).
-    """
-    scores = (q @ k.transpose(-1, -2)) * scale
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    row_max = scores.amax(dim=-1, keepdim=True).detach()
-    # a row with no key in this part keeps max -inf, so the merge weighs it 0; exp needs a finite shift
-    weights = torch.exp(scores - row_max.masked_fill(row_max == float("-inf"), 0.0))
-    return weights @ v, row_max, weights.sum(dim=-1, keepdim=True)
-
-
-def _merge(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Combine parts through their log-sum-exp: out = sum_p e^(m_p - M) o_p / sum_p e^(m_p - M) l_p.
-
-    The intra part always holds the query's own key, so M is finite.
-    """
-    top = torch.stack([m for _, m, _ in parts]).amax(dim=0)
-    numerator = sum(o * torch.exp(m - top) for o, m, _ in parts)
-    denominator = sum(l * torch.exp(m - top) for _, m, l in parts)
-    return numerator / denominator
-
-
 def dca_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -197,7 +170,7 @@ def dca_attention(
             return _dense_dca_by_parts(variants, k, v, s, scale).to(q.dtype)
         return _dense_dca(variants, k, v, s, scale).to(q.dtype)
     if fast:
-        out = moba_attention_torch_variants(
+        out = attention_with_query_variants(
             variants, k, v, selected=selected, block_size=block_size, variant_chunk=s, scale=scale
         )
         return out.to(q.dtype)
@@ -225,8 +198,8 @@ def dca_attention(
                 allowed = allowed.reshape(b, hkv, g * (t1 - t0), hi - lo)
             elif allowed is not None:
                 allowed = allowed.repeat(g, 1)  # rows are (group member, query)
-            parts.append(_part(qv, kf[:, :, lo:hi], vf[:, :, lo:hi], scale, allowed))
-        outputs.append(_merge(parts).reshape(b, hq, t1 - t0, d))
+            parts.append(partial_attention(qv, kf[:, :, lo:hi], vf[:, :, lo:hi], scale, allowed))
+        outputs.append(merge_partials(parts).reshape(b, hq, t1 - t0, d))
         t0 = t1
     return torch.cat(outputs, dim=2).to(q.dtype)
 
@@ -281,9 +254,7 @@ def _dense_dca_by_parts(
             o_part, lse_part = attention_with_lse(
                 variants[which][:, :, t0:t1], kf[:, :, a:b], vf[:, :, a:b], None, scale
             )
-            merged = torch.logaddexp(lse, lse_part)
-            o = o * (lse - merged).exp()[..., None] + o_part * (lse_part - merged).exp()[..., None]
-            lse = merged
+            merge_lse_(o, lse, o_part, lse_part)
         out[:, :, t0:t1] = o
         t0 = t1
     return out
