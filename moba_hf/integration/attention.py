@@ -17,6 +17,7 @@ import torch
 
 from ..config import MobaConfig
 from ..kernels import causal_attention, moba_attention, resolve_backend
+from ..kernels.common import needs_grad
 from . import dca as dca_hf
 from . import sparsity
 from .cache import cached_step
@@ -146,7 +147,7 @@ def _attend(
                 sink_blocks=config.sink_blocks, local_blocks=config.local_blocks,
             ),
             b * sparsity.causal_pairs(hq, nq, nk),
-            resolve_backend(config.backend, q),
+            resolve_backend(config.backend, q, needs_grad=needs_grad(q, k, v)),
         )  # fmt: skip
     return moba_attention(
         q, k, v, block_size=config.block_size, top_k=config.top_k, scale=scale, backend=config.backend, **gate
