@@ -140,6 +140,19 @@ def test_revert_restores_previous_implementation():
     torch.testing.assert_close(model(ids).logits, want)
 
 
+def test_apply_installs_and_revert_removes_what_moba_adds():
+    """apply hooks every attention module for the KV cache; revert removes the hooks and DCA's cached frequencies."""
+    model = tiny_model("llama")
+    attentions = [m for m in model.modules() if type(m).__name__ == "LlamaAttention"]
+    moba_hf.apply(model, MobaConfig(block_size=4, top_k=2, dca=moba_hf.DcaConfig(pretraining_length=16)))
+    assert all(m._forward_pre_hooks and m._forward_hooks for m in attentions)
+    model(torch.randint(0, 97, (1, 40)))
+    assert any("_moba_dca_inv_freq" in vars(m) for m in model.modules())
+    moba_hf.revert(model)
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in attentions)
+    assert not any(k.startswith("_moba") for m in model.modules() for k in vars(m))
+
+
 def test_unsupported_model_is_refused():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
     with pytest.raises(ValueError, match="cannot run model_type='gpt2': .*no RoPE.*verified by tests: .*llama"):

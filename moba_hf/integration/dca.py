@@ -99,6 +99,12 @@ def model_inv_freq(module: torch.nn.Module, device: torch.device) -> torch.Tenso
     return inv_freq
 
 
+def drop_cached_frequencies(model: torch.nn.Module) -> None:
+    """Forget the frequencies `model_inv_freq` cached on the model's modules (used by `revert`)."""
+    for module in model.modules():
+        module.__dict__.pop(_INV_FREQ_ATTR, None)
+
+
 @dataclasses.dataclass(frozen=True)
 class DcaRun:
     """DCA for one call of the attention function: resolved parameters and the model's frequencies."""
@@ -127,13 +133,8 @@ class DcaRun:
             block_size=config.block_size, top_k=config.top_k, pooling=config.pooling,
             sink_blocks=config.sink_blocks, local_blocks=config.local_blocks,
         )  # fmt: skip
-        if sparsity.tracking():
-            causal = q.shape[0] * sparsity.causal_pairs(q.shape[1], q.shape[2], nk)
-            attended, name = causal, "dca"
-            if not dense:  # DCA's gate mixes query variants, but the rule (and so the count) is MoBA's
-                rule = {key: value for key, value in moba.items() if key != "pooling"}
-                attended, name = sparsity.rule_pairs(q.shape[0] * q.shape[1], q.shape[2], nk, **rule), "dca+moba"
-            sparsity.record(layer, attended, causal, name)
+        # DCA's gate mixes query variants, but the rule (and so the count) is MoBA's
+        sparsity.record_attention(layer, q, nk, "dca" if dense else "dca+moba", None if dense else config)
         return dca_attention(
             q, k, v, pretraining_length=p.pretraining_length, chunk_size=p.chunk_size, inv_freq=self.inv_freq,
             scale=scale, temperature=p.temperature_factor(nk), **moba,

@@ -70,6 +70,7 @@ class Family:
     problems: tuple[str, ...]  # reasons the code itself rules "moba" out (empty: fine)
     uses_sliding_window: bool  # its code reads sliding_window (in the attention call or the mask)
     rotary: type | None  # the model's RoPE class (None: no RoPE)
+    attentions: tuple[type, ...] = ()  # its attention module classes
 
 
 def check_supported(model_config: Any) -> None:
@@ -168,7 +169,7 @@ def family_of(config_class: type) -> Family:
     rotary = _rotary_class(module, attentions)
     if rotary is None:
         problems.append("it has no RoPE (moba_hf covers RoPE decoders)")
-    return Family(module, tuple(problems), "sliding_window" in source, rotary)
+    return Family(module, tuple(problems), "sliding_window" in source, rotary, tuple(attentions))
 
 
 def _source(obj: Any) -> str:
