@@ -2,30 +2,18 @@
 
 import logging
 
+import conftest
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, Qwen2Config, Qwen3Config
+from conftest import ARCHS
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 import moba_hf
 from moba_hf import MobaConfig
 
-TINY = dict(
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
-ARCHS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 
-
-def tiny_model(arch, **extra):
-    config = ARCHS[arch](**TINY, **extra)
-    if arch == "qwen3":
-        config.head_dim = 8
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float64).eval()
+def tiny_model(arch, **config):
+    return conftest.tiny_model(arch, layers=3, **config)
 
 
 @pytest.fixture(params=sorted(ARCHS))
