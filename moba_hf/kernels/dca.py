@@ -40,7 +40,7 @@ from .torch_impl import attention_with_query_variants
 TILE_ELEMENTS = 1 << 27
 
 
-def _check_dca(nk: int, pretraining_length: int, chunk_size: int, inv_freq: torch.Tensor, head_dim: int) -> None:
+def _check_dca(pretraining_length: int, chunk_size: int, inv_freq: torch.Tensor, head_dim: int) -> None:
     if isinstance(pretraining_length, bool) or not isinstance(pretraining_length, int) or pretraining_length < 2:
         raise ValueError(f"pretraining_length must be an integer >= 2, got {pretraining_length!r}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or not 0 < chunk_size < pretraining_length:
@@ -144,7 +144,7 @@ def dca_attention(
             raise ValueError(f"chunk_size ({chunk_size}) must be a multiple of block_size ({block_size})")
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
-    _check_dca(nk, pretraining_length, chunk_size, inv_freq, d)
+    _check_dca(pretraining_length, chunk_size, inv_freq, d)
     if has_nonfinite(q, v):  # the kernels' NaN / inf rule (see kernels.common.propagate_nonfinite)
         args = dict(pretraining_length=pretraining_length, chunk_size=chunk_size, inv_freq=inv_freq, scale=scale,
                     temperature=temperature, block_size=block_size, top_k=top_k, pooling=pooling,
@@ -174,8 +174,9 @@ def dca_attention(
             variants, k, v, selected=selected, block_size=block_size, variant_chunk=s, scale=scale
         )
         return out.to(q.dtype)
+    # with gradients (or off CPU), MoBA: per query tile, one masked part per region, merged by log-sum-exp
     kf, vf = k.to(dtype), v.to(dtype)
-    key_block = None if block_size is None else torch.arange(nk, device=k.device) // block_size
+    key_block = torch.arange(nk, device=k.device) // block_size
     tile = max(1, min(nq, TILE_ELEMENTS // max(1, b * hq * nk)))
 
     outputs = []
@@ -189,15 +190,10 @@ def dca_attention(
         parts = []
         for which, (lo, hi) in enumerate(bounds[: min(chunk, INTER) + 1]):
             qv = variants[which][:, :, t0:t1].reshape(b, hkv, g * (t1 - t0), d)
-            allowed = None
+            allowed = selected[:, :, t0:t1][..., key_block[lo:hi]]  # [B, Hq, T, L]
             if which == 0:
-                allowed = torch.arange(lo, hi, device=q.device)[None, :] <= q_pos[:, None]  # causal [T, L]
-            if selected is not None:
-                in_block = selected[:, :, t0:t1][..., key_block[lo:hi]]  # [B, Hq, T, L]
-                allowed = in_block if allowed is None else in_block & allowed
-                allowed = allowed.reshape(b, hkv, g * (t1 - t0), hi - lo)
-            elif allowed is not None:
-                allowed = allowed.repeat(g, 1)  # rows are (group member, query)
+                allowed = allowed & (torch.arange(lo, hi, device=q.device)[None, :] <= q_pos[:, None])  # causal
+            allowed = allowed.reshape(b, hkv, g * (t1 - t0), hi - lo)
             parts.append(partial_attention(qv, kf[:, :, lo:hi], vf[:, :, lo:hi], scale, allowed))
         outputs.append(merge_partials(parts).reshape(b, hq, t1 - t0, d))
         t0 = t1
