@@ -22,7 +22,7 @@ from .dca.config import DcaConfig, check_block_multiple
 from .kernels.common import POOLINGS
 
 DECODE_MODES = ("moba", "full")
-BACKENDS = ("auto", "reference", "torch", "flex", "triton", "flash")
+from .kernels import BACKENDS  # noqa: E402 - "auto" and the registered backends (moba_hf.kernels), read live
 
 
 def _check_int(name: str, value: Any, low: int) -> None:

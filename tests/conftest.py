@@ -29,14 +29,42 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+# the tiny random decoders the model-level tests run (float64, so tolerances stay at rounding level)
+TINY = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def tiny_model(arch: str = "llama", moba=None, layers: int = 2, **config):
+    """A tiny random `arch` model (TINY, `layers` layers, `config` overrides) in float64 eval mode, with sdpa
+    attention, or switched to MoBA with `moba` (a MobaConfig) when given."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import moba_hf
+
+    model_config = AutoConfig.for_model(arch, **{**TINY, "num_hidden_layers": layers, **config})
+    if arch == "qwen3":
+        model_config.head_dim = 8
+    model = AutoModelForCausalLM.from_config(model_config, attn_implementation="sdpa", dtype=torch.float64).eval()
+    return model if moba is None else moba_hf.apply(model, moba)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
-    """The embedded SmolLM2 tokenizer (make test installs the model; a missing install fails, not skips)."""
+    """The embedded SmolLM2 tokenizer, read from the GGUF's metadata (no dequantizing; a missing install fails)."""
     from transformers import AutoTokenizer
 
-    from moba_hf.models import local_path
+    from moba_hf.models import gguf_path
 
-    return AutoTokenizer.from_pretrained(local_path("smollm2"))
+    gguf = gguf_path("smollm2")
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,8 @@ import torch
 from kernel_cases import rounding_tol
 
 from moba_hf.dca import dca_attention, relative_positions, rotate
-from moba_hf.dca.positions import format_matrix
 from moba_hf.kernels import moba_attention_reference
+from moba_hf.kernels.dca_positions import format_matrix
 
 # every float64 case here: Nq, Nk <= 50, head_dim <= 8; RoPE moves add about position x eps, hence 2 Nk
 TOL = rounding_tol(torch.float64, 50, 2 * 50, 8)
@@ -142,9 +142,9 @@ def test_dense_dca_matches_remapped_reference(case):
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_dense_dca_inference_path_matches_remapped_reference(case, fused, monkeypatch):
     # without gradients, dense DCA runs one attention call per part and merges by log-sum-exp
-    from moba_hf.kernels import torch_impl
+    from moba_hf.kernels import dense
 
-    monkeypatch.setattr(torch_impl, "use_fused", fused)
+    monkeypatch.setattr(dense, "use_fused", fused)
     b, hq, hkv, nq, nk, d, c, s = case
     inv_freq = inv_freq_for(d)
     q_raw = torch.randn(b, hq, nq, d, dtype=torch.float64)
@@ -158,7 +158,7 @@ def test_dense_dca_inference_path_matches_remapped_reference(case, fused, monkey
 
 
 def test_small_tiles_give_the_same_result(monkeypatch):
-    from moba_hf.dca import attention as dca_module
+    from moba_hf.kernels import dca as dca_module
 
     inv_freq = inv_freq_for(8)
     q = torch.randn(2, 4, 35, 8, dtype=torch.float64)
@@ -255,31 +255,31 @@ def test_dca_moba_inference_path_matches_moba_on_remapped_scores(case, group_row
 
 def test_torch_kernel_with_one_query_variant_is_plain_moba():
     from moba_hf.kernels import moba_attention_reference, selected_blocks
-    from moba_hf.kernels.torch_impl import moba_attention_torch_variants
+    from moba_hf.kernels.torch_impl import attention_with_query_variants
 
     q = torch.randn(2, 4, 37, 8, dtype=torch.float64)
     k = torch.randn(2, 2, 53, 8, dtype=torch.float64)
     v = torch.randn(2, 2, 53, 8, dtype=torch.float64)
     gate = dict(block_size=5, top_k=3, sink_blocks=1, local_blocks=1)
     selected = selected_blocks(q, k, **gate)
-    got = moba_attention_torch_variants([q], k, v, selected=selected, block_size=5, variant_chunk=10, scale=0.4)
+    got = attention_with_query_variants([q], k, v, selected=selected, block_size=5, variant_chunk=10, scale=0.4)
     want = moba_attention_reference(q, k, v, scale=0.4, **gate)
     torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
 
 
 def test_torch_kernel_with_query_variants_rejects_bad_arguments():
     from moba_hf.kernels import selected_blocks
-    from moba_hf.kernels.torch_impl import moba_attention_torch_variants
+    from moba_hf.kernels.torch_impl import attention_with_query_variants
 
     q, k = torch.randn(1, 2, 20, 8), torch.randn(1, 1, 20, 8)
     selected = selected_blocks(q, k, block_size=5, top_k=2)
     ok = dict(selected=selected, block_size=5, variant_chunk=10, scale=0.3)
     with pytest.raises(ValueError, match="variant_chunk must be a positive multiple of block_size"):
-        moba_attention_torch_variants([q, q], k, k, **{**ok, "variant_chunk": 12})
+        attention_with_query_variants([q, q], k, k, **{**ok, "variant_chunk": 12})
     with pytest.raises(ValueError, match="queries must be 1 to 3"):
-        moba_attention_torch_variants([q] * 4, k, k, **ok)
+        attention_with_query_variants([q] * 4, k, k, **ok)
     with pytest.raises(ValueError, match="selected must be bool"):
-        moba_attention_torch_variants([q], k, k, **{**ok, "selected": selected[..., :2]})
+        attention_with_query_variants([q], k, k, **{**ok, "selected": selected[..., :2]})
 
 
 @pytest.mark.parametrize("case", MOBA_CASES, ids=lambda c: case_id(c[:8]) + f"-blk{c[8]}-k{c[9]}")

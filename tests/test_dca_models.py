@@ -1,36 +1,25 @@
 """DCA inside transformers on tiny Llama / Qwen2 / Qwen3 models: exactness inside one chunk, cached decoding
 and chunked prefill against one full forward, keys stored at j mod s, padding, configs and errors."""
 
+import conftest
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from conftest import ARCHS
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from transformers.models.llama.modeling_llama import rotate_half
 
 import moba_hf
 from moba_hf import DcaConfig, MobaConfig
-from moba_hf.dca import resolve
 from moba_hf.dca.config import DcaParams
+from moba_hf.integration.dca import resolve
 
-TINY = dict(
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=16,
-)
-ARCHS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+TINY = {**conftest.TINY, "max_position_embeddings": 16}  # DCA's c
 DENSE = MobaConfig(sparse=False, dca=DcaConfig(chunk_size=12))  # c = 16 from the model, s = 12
 SPARSE = MobaConfig(block_size=4, top_k=2, dca=DcaConfig(chunk_size=12))
 
 
-def tiny_model(arch="llama", moba=None, **extra):
-    config = ARCHS[arch](**{**TINY, **extra})
-    if arch == "qwen3":
-        config.head_dim = 8
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float64).eval()
-    return model if moba is None else moba_hf.apply(model, moba)
+def tiny_model(arch="llama", moba=None, **config):
+    return conftest.tiny_model(arch, moba, **{"max_position_embeddings": 16, **config})
 
 
 @pytest.fixture(params=sorted(ARCHS))

@@ -4,15 +4,12 @@ import inspect
 
 import pytest
 import torch
+from conftest import ARCHS, TINY, tiny_model
 from kernel_cases import model_tol, rounding_tol
 from transformers import (
     AttentionInterface,
-    AutoModelForCausalLM,
     DynamicCache,
-    LlamaConfig,
     LlamaForCausalLM,
-    Qwen2Config,
-    Qwen3Config,
 )
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -101,27 +98,9 @@ def test_block_state_notices_a_gap():
 
 
 # --- tiny models: cached decoding == one forward without cache ------------------------------------------------------
-TINY = dict(
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
 MODEL_TOL = model_tol(TINY, 45)  # sequences here are at most 45 tokens
-ARCHS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 # the forward's cache keyword: "cache" in transformers >= 5.2x, "past_key_values" before
 CACHE = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
-
-
-def tiny_model(arch, moba):
-    config = ARCHS[arch](**TINY)
-    if arch == "qwen3":
-        config.head_dim = 8
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float64).eval()
-    return moba_hf.apply(model, moba)
 
 
 class Spy:

@@ -94,7 +94,7 @@ def fake_flash(isolated):
 @pytest.fixture
 def flash(fake_flash, monkeypatch):
     """The backend over the fake, with its CUDA/half-precision input check switched off."""
-    monkeypatch.setattr(fake_flash, "_runnable", lambda q: True)
+    monkeypatch.setattr(fake_flash, "flash_attn_takes", lambda q: True)
     return fake_flash
 
 
@@ -222,8 +222,9 @@ def test_refuses_what_flash_attn_cannot_take(fake_flash):
     """CPU or float32/64 input: "auto" never picks it, an explicit call names what it needs."""
     q = torch.zeros(1, 2, 8, 16)
     fn = fake_flash.moba_attention_flash
+    flash = kernels._REGISTRY["flash"]
     for t in (q, q.double(), q.bfloat16(), q.half()):
-        assert not fn.supports(t) and not fn.can_run(t)
+        assert not flash.auto_may_pick(t) and not flash.runs_on(t)
     with pytest.raises(ValueError, match="CUDA float16/bfloat16"):
         fn(q, q, q, block_size=4, top_k=2)
 
@@ -352,5 +353,5 @@ def _close_bf16(actual: torch.Tensor, expected: torch.Tensor) -> bool:
 
 @pytest.mark.cuda
 def test_real_flash_attn_within_twice_torch_error(real_flash):
-    assert real_flash.moba_attention_flash.supports(torch.zeros(1, 1, 1, 64, device="cuda", dtype=torch.bfloat16))
+    assert kernels._REGISTRY["flash"].auto_may_pick(torch.zeros(1, 1, 1, 64, device="cuda", dtype=torch.bfloat16))
     _check_low_precision(real_flash.moba_attention_flash, "cuda")

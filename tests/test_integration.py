@@ -2,30 +2,18 @@
 
 import logging
 
+import conftest
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, Qwen2Config, Qwen3Config
+from conftest import ARCHS
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 import moba_hf
 from moba_hf import MobaConfig
 
-TINY = dict(
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
-ARCHS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 
-
-def tiny_model(arch, **extra):
-    config = ARCHS[arch](**TINY, **extra)
-    if arch == "qwen3":
-        config.head_dim = 8
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float64).eval()
+def tiny_model(arch, **config):
+    return conftest.tiny_model(arch, layers=3, **config)
 
 
 @pytest.fixture(params=sorted(ARCHS))
@@ -138,6 +126,19 @@ def test_revert_restores_previous_implementation():
     assert model.config._attn_implementation == "sdpa"
     assert getattr(model.config, "moba_config", None) is None
     torch.testing.assert_close(model(ids).logits, want)
+
+
+def test_apply_installs_and_revert_removes_what_moba_adds():
+    """apply hooks every attention module for the KV cache; revert removes the hooks and DCA's cached frequencies."""
+    model = tiny_model("llama")
+    attentions = [m for m in model.modules() if type(m).__name__ == "LlamaAttention"]
+    moba_hf.apply(model, MobaConfig(block_size=4, top_k=2, dca=moba_hf.DcaConfig(pretraining_length=16)))
+    assert all(m._forward_pre_hooks and m._forward_hooks for m in attentions)
+    model(torch.randint(0, 97, (1, 40)))
+    assert any("_moba_dca_inv_freq" in vars(m) for m in model.modules())
+    moba_hf.revert(model)
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in attentions)
+    assert not any(k.startswith("_moba") for m in model.modules() for k in vars(m))
 
 
 def test_unsupported_model_is_refused():

@@ -10,11 +10,18 @@ from kernel_cases import case_tol, moba_inputs, poisoned_inputs, rounding_tol, r
 from kernel_cases import shape_id as _id
 
 from moba_hf.dca import dca_attention, relative_positions
-from moba_hf.dca.positions import MAX_MATRIX_LEN
-from moba_hf.dca.rope import default_inv_freq
 from moba_hf.integration.cache import BlockState
-from moba_hf.kernels import causal_attention, moba_attention, moba_attention_reference, selected_blocks, torch_impl
+from moba_hf.kernels import (
+    causal_attention,
+    dense,
+    moba_attention,
+    moba_attention_reference,
+    selected_blocks,
+    torch_impl,
+)
+from moba_hf.kernels.dca_positions import MAX_MATRIX_LEN
 from moba_hf.kernels.decode import block_keys_from_cache, moba_decode
+from moba_hf.kernels.rope import default_inv_freq
 from moba_hf.kernels.torch_impl import moba_attention_torch
 
 NAN, INF = float("nan"), float("inf")
@@ -59,7 +66,7 @@ def test_reference_nan_reaches_exactly_the_rows_that_see_it(shape, which):
 @pytest.mark.parametrize("shape", SHAPES, ids=_id)
 def test_torch_backend_propagates_like_reference(shape, which, value, layout, monkeypatch):
     fused, group_rows, own_tile = LAYOUTS[layout]
-    monkeypatch.setattr(torch_impl, "use_fused", fused)
+    monkeypatch.setattr(dense, "use_fused", fused)
     monkeypatch.setattr(torch_impl, "_GROUP_ROWS", group_rows)
     monkeypatch.setattr(torch_impl, "_OWN_TILE", own_tile)
     q, k, v = poisoned_inputs(shape, which, _index(shape, which), value)

@@ -15,7 +15,7 @@ from kernel_cases import moba_inputs as _inputs
 from kernel_cases import shape_id as _id
 
 from moba_hf import kernels
-from moba_hf.kernels import moba_attention, moba_attention_reference, resolve_backend, torch_impl
+from moba_hf.kernels import dense, moba_attention, moba_attention_reference, resolve_backend, torch_impl
 from moba_hf.kernels.torch_impl import moba_attention_torch
 
 BACKEND_MODULES = {
@@ -74,7 +74,7 @@ LAYOUTS = {"chunked": (True, 1 << 40, 128), "grouped": (True, 0, 4), "matmul": (
 @pytest.mark.parametrize("shape", SHAPES, ids=_id)
 def test_torch_matches_reference_float64(shape, gate, layout, monkeypatch):
     fused, group_rows, own_tile = LAYOUTS[layout]
-    monkeypatch.setattr(torch_impl, "use_fused", fused)
+    monkeypatch.setattr(dense, "use_fused", fused)
     monkeypatch.setattr(torch_impl, "_GROUP_ROWS", group_rows)
     monkeypatch.setattr(torch_impl, "_OWN_TILE", own_tile)
     _assert_matches_reference(moba_attention_torch, shape, gate)
@@ -217,10 +217,43 @@ def test_flex_mask_equals_reference_selection(shape, gate):
     assert not (expected & ~visited).any()
 
 
-def test_flex_cpu_gradients_use_torch_backend():
+def test_flex_cpu_gradients_use_torch_backend(caplog):
+    """flex has no CPU backward: asked for by name with gradients, the registry runs "torch" (one log line)."""
     from moba_hf.kernels.flex import moba_attention_flex
 
-    _assert_matches_reference(moba_attention_flex, SHAPES[0], {})
+    with caplog.at_level("WARNING", logger="moba_hf"):
+        _assert_matches_reference(lambda *a, **kw: moba_attention(*a, backend="flex", **kw), SHAPES[0], {})
+    assert any("'flex'" in r.getMessage() and "backward" in r.getMessage() for r in caplog.records)
+    q = torch.zeros(1, 1, 4, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="no CPU backward"):
+        moba_attention_flex(q, q, q, block_size=4, top_k=1)
+
+
+_REGISTERED_CALLS: list[int] = []
+
+
+def registered_backend(q, k, v, **kw):
+    _REGISTERED_CALLS.append(kw["block_size"])
+    return moba_attention_reference(q, k, v, **kw)
+
+
+def test_registered_backend_runs_end_to_end(monkeypatch):
+    """A backend added with register_backend is a valid name for moba_attention and MobaConfig, and "auto"
+    ranks it like the built-in ones."""
+    from moba_hf.config import MobaConfig
+
+    monkeypatch.setattr(kernels, "_REGISTRY", dict(kernels._REGISTRY))
+    monkeypatch.setattr(kernels, "_loaded", dict(kernels._loaded))
+    monkeypatch.setattr(kernels, "_warned", set(kernels._warned))
+    _REGISTERED_CALLS.clear()
+    kernels.register_backend(kernels.Backend("mine", f"{__name__}:registered_backend", auto_rank=0))
+    assert "mine" in kernels.BACKENDS and MobaConfig(backend="mine").backend == "mine"
+    q, k, v = _inputs(SHAPES[0], torch.float64, requires_grad=False)
+    out = moba_attention(q, k, v, block_size=16, top_k=3, backend="mine")
+    torch.testing.assert_close(out, moba_attention_reference(q, k, v, block_size=16, top_k=3), atol=0, rtol=0)
+    assert resolve_backend("auto", q) == "mine" and _REGISTERED_CALLS == [16]
+    with pytest.raises(ValueError, match="auto"):
+        kernels.register_backend(kernels.Backend("auto", "x:y"))
 
 
 @pytest.mark.slow

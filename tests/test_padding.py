@@ -1,33 +1,22 @@
 """Padding, batching and packing: each sequence is laid out in blocks from its own real tokens."""
 
+import conftest
 import pytest
 import torch
 import torch.nn.functional as F
 from kernel_cases import model_tol, rounding_tol
-from transformers import AutoModelForCausalLM, LlamaConfig
 
-import moba_hf
 from moba_hf import MobaConfig
 from moba_hf.integration import cache as moba_cache
 from moba_hf.integration.layout import document_ids, forward_layout, sequence_spans
 
-TINY = dict(
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    pad_token_id=0,
-)
+TINY = {**conftest.TINY, "pad_token_id": 0}
 MODEL_TOL = model_tol(TINY, 20)  # rows here are at most 20 tokens
 LENGTHS = (13, 6, 10)  # blocks of 4: partial last blocks, different pad widths
 
 
-def tiny_model(moba):
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY), attn_implementation="sdpa", dtype=torch.float64)
-    return moba_hf.apply(model.eval(), moba)
+def tiny_model(moba=None):
+    return conftest.tiny_model("llama", moba, pad_token_id=0)
 
 
 def sequences():
@@ -143,7 +132,7 @@ def test_position_ids_split_where_sdpa_splits(kind, forward):
     """top_k >= blocks is causal attention, so "moba" must equal "sdpa" for any position_ids: rows split into
     documents exactly where transformers' masks split them (packed ids without attention_mask and cache)."""
     moba = tiny_model(MobaConfig(block_size=4, top_k=100))
-    sdpa = AutoModelForCausalLM.from_config(LlamaConfig(**TINY), attn_implementation="sdpa", dtype=torch.float64)
+    sdpa = tiny_model()
     sdpa.load_state_dict(moba.state_dict())
     sdpa.eval()
     n = 20

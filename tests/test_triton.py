@@ -179,13 +179,14 @@ def test_signature_equals_reference():
 
 
 def test_supports_only_cuda_or_interpreter(monkeypatch):
+    from moba_hf.kernels import _REGISTRY
     from moba_hf.kernels.triton_impl import moba_attention_triton
 
     q = torch.zeros(1, 1, 1, 8)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert moba_attention_triton.supports(q)
+    assert _REGISTRY["triton"].runs_on(q) and not _REGISTRY["triton"].auto_may_pick(q)
     monkeypatch.delenv("TRITON_INTERPRET")
-    assert not moba_attention_triton.supports(q) and not moba_attention_triton.can_run(q)
+    assert not _REGISTRY["triton"].runs_on(q)
     with pytest.raises(ValueError, match="CUDA"):
         moba_attention_triton(q, q, q, block_size=4, top_k=2)
 

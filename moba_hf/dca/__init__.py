@@ -1,14 +1,20 @@
 """Dual Chunk Attention (An et al., ICML 2024): RoPE position remapping that keeps every query-key distance
-below the pretraining length, dense or composed with MoBA. See `positions` for the layout.
+below the pretraining length, dense or composed with MoBA. See `kernels.dca_positions` for the layout.
 
-The transformers glue lives in `moba_hf.dca.hf` (imported by the attention function, not here, so that
-`moba_hf.config` can import `DcaConfig` without a cycle).
+The public DCA names in one place. The tensor math lives in `moba_hf.kernels` (`dca`, `dca_positions`, `rope`),
+the transformers side in `moba_hf.integration.dca`; `resolve` loads the latter on first use, so that
+`moba_hf.config` can import `DcaConfig` from here without importing transformers glue.
 """
 
-from .attention import dca_attention, dca_selected_blocks, query_variants
-from .config import DcaConfig, DcaParams, resolve
-from .positions import query_positions, relative_positions
-from .rope import rotate
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ..kernels.dca import dca_attention, dca_selected_blocks, query_variants
+from ..kernels.dca_positions import query_positions, relative_positions
+from ..kernels.rope import rotate
+from .config import DcaConfig, DcaParams
 
 __all__ = [
     "DcaConfig",
@@ -21,3 +27,9 @@ __all__ = [
     "resolve",
     "rotate",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "resolve":
+        return importlib.import_module("moba_hf.integration.dca").resolve
+    raise AttributeError(f"module 'moba_hf.dca' has no attribute {name!r}")

@@ -21,8 +21,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..kernels.dca_positions import format_matrix, relative_positions
     from .config import default_chunk_size
-    from .positions import format_matrix, relative_positions
 
     c = args.pretraining_length
     s = default_chunk_size(c) if args.chunk_size is None else args.chunk_size

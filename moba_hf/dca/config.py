@@ -1,4 +1,5 @@
-"""`DcaConfig`: Dual Chunk Attention settings, and their resolution against a model's config.
+"""`DcaConfig`: Dual Chunk Attention settings and their validation (resolved against a model config in
+`integration.dca`).
 
 Paper convention (An et al., ICML 2024): pretraining length ``c``, chunk size ``s < c``, local window
 ``w = c - s``. Keys sit at ``j mod s``; a query at ``i`` sits at ``i mod s`` for keys of its own chunk,
@@ -19,11 +20,6 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-# rope types whose frequencies do not depend on the sequence length, so rotating by a position delta is exact
-# (YaRN's attention factor scales cos / sin by a constant, which the extra rotation keeps); dynamic NTK and
-# longrope switch frequencies with the sequence length
-FIXED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
 
 def _check_optional_int(name: str, value: Any, low: int) -> None:
     if value is None:
@@ -32,7 +28,7 @@ def _check_optional_int(name: str, value: Any, low: int) -> None:
         raise ValueError(f"{name} must be an integer >= {low} (or None for the default), got {value!r}")
 
 
-def _check_chunk(pretraining_length: int, chunk_size: int) -> None:
+def check_chunk(pretraining_length: int, chunk_size: int) -> None:
     if not 0 < chunk_size < pretraining_length:
         raise ValueError(
             f"DCA chunk_size must satisfy 0 < chunk_size < pretraining_length (valid range 1..{pretraining_length - 1} "
@@ -81,7 +77,7 @@ class DcaConfig:
         if self.pretraining_length is not None:
             c = self.pretraining_length
             if self.chunk_size is not None:
-                _check_chunk(c, self.chunk_size)
+                check_chunk(c, self.chunk_size)
             if self.local_window is not None and not 0 < self.local_window < c:
                 raise ValueError(
                     f"DCA local_window must satisfy 0 < local_window < pretraining_length (valid range 1..{c - 1}), "
@@ -120,81 +116,6 @@ class DcaParams:
         if not self.temperature or num_keys <= self.pretraining_length:
             return 1.0
         return max(1.0, 0.1 * math.log(num_keys / self.pretraining_length) + 1.0)
-
-
-def _rope_parameters(model_config: Any) -> dict[str, Any]:
-    params = getattr(model_config, "rope_parameters", None) or getattr(model_config, "rope_scaling", None) or {}
-    return dict(params) if isinstance(params, Mapping) else {}
-
-
-def check_rope_type(model_config: Any) -> None:
-    """Refuse RoPE scalings whose frequencies change with the sequence length (DCA needs fixed ones)."""
-    params = _rope_parameters(model_config)
-    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type not in FIXED_ROPE_TYPES:
-        raise ValueError(
-            f"DCA needs RoPE frequencies that do not depend on the sequence length; this model's rope_scaling type "
-            f"is {rope_type!r} (supported: {', '.join(FIXED_ROPE_TYPES)}). Remove the {rope_type!r} scaling from "
-            "the model config to use DCA."
-        )
-
-
-def model_pretraining_length(model_config: Any) -> int:
-    params = _rope_parameters(model_config)
-    for value in (
-        params.get("original_max_position_embeddings"),
-        getattr(model_config, "original_max_position_embeddings", None),
-        getattr(model_config, "max_position_embeddings", None),
-    ):
-        if isinstance(value, int) and value > 1:
-            return value
-    raise ValueError("DCA needs pretraining_length: the model config has no max_position_embeddings; set it")
-
-
-def qwen_dca_block(model_config: Any) -> DcaConfig | None:
-    """Qwen2.5-1M's `dual_chunk_attention_config` mapped to the paper convention (None if absent).
-
-    Qwen / vLLM: keys at j mod (chunk_size - local_size), largest distance chunk_size
-    -> c = chunk_size + 1, s = chunk_size - local_size.
-    """
-    block = getattr(model_config, "dual_chunk_attention_config", None)
-    if not isinstance(block, Mapping) or "chunk_size" not in block:
-        return None
-    chunk, local = int(block["chunk_size"]), int(block.get("local_size", 0))
-    return DcaConfig(pretraining_length=chunk + 1, chunk_size=chunk - local)
-
-
-def resolve(dca: Any, model_config: Any, block_size: int | None = None) -> DcaParams | None:
-    """The DCA parameters a model runs with, or None when DCA is off.
-
-    dca: a DcaConfig (on), True (on, defaults), False (off), or None (on only if the checkpoint carries
-    Qwen's dual_chunk_attention_config). `block_size`: the MoBA block size when sparse MoBA is on.
-    """
-    if dca is False:
-        return None
-    qwen = qwen_dca_block(model_config)
-    if dca is None and qwen is None:
-        return None
-    config = DcaConfig() if dca is None or dca is True else DcaConfig.from_dict(dca)
-    from ..integration.support import check_dca_rope  # here, not at the top: integration imports dca
-
-    check_dca_rope(model_config)  # the rope type, then the model's RoPE code itself
-    base = qwen or DcaConfig()
-    c = config.pretraining_length or base.pretraining_length or model_pretraining_length(model_config)
-    if config.chunk_size is not None:
-        s, explicit = config.chunk_size, True
-    elif config.local_window is not None:
-        s, explicit = c - config.local_window, True
-    elif qwen is not None and config.pretraining_length is None:
-        s, explicit = qwen.chunk_size, True
-    else:
-        s, explicit = default_chunk_size(c), False
-        if block_size is not None and s >= block_size:
-            s -= s % block_size
-    _check_chunk(c, s)
-    if block_size is not None:
-        check_block_multiple(s, block_size, c, explicit)
-    return DcaParams(pretraining_length=c, chunk_size=s, temperature=config.temperature)
 
 
 def check_block_multiple(chunk_size: int, block_size: int, pretraining_length: int, explicit: bool = True) -> None:

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from ..config import MobaConfig
-from ..dca import hf as dca_hf
 from ..kernels import causal_attention, moba_attention, resolve_backend
+from ..kernels.common import needs_grad
+from . import dca as dca_hf
 from . import sparsity
 from .cache import cached_step
 from .layout import sequence_spans
@@ -132,22 +133,11 @@ def _attend(
     if dca is not None and dca.applies(k.shape[2]):
         return dca.attend(q, k, v, config, scale, dense, layer)
     if dense:
-        if sparsity.tracking():
-            pairs = q.shape[0] * sparsity.causal_pairs(q.shape[1], q.shape[2], k.shape[2])
-            sparsity.record(layer, pairs, pairs, "sdpa")
+        sparsity.record_attention(layer, q, k.shape[2], "sdpa")
         return causal_attention(q, k, v, scale=scale)
     gate = dict(pooling=config.pooling, sink_blocks=config.sink_blocks, local_blocks=config.local_blocks)
-    if sparsity.tracking():
-        b, hq, nq, nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-        sparsity.record(
-            layer,
-            sparsity.rule_pairs(
-                b * hq, nq, nk, block_size=config.block_size, top_k=config.top_k,
-                sink_blocks=config.sink_blocks, local_blocks=config.local_blocks,
-            ),
-            b * sparsity.causal_pairs(hq, nq, nk),
-            resolve_backend(config.backend, q),
-        )  # fmt: skip
+    backend = functools.partial(resolve_backend, config.backend, q, needs_grad=needs_grad(q, k, v))
+    sparsity.record_attention(layer, q, k.shape[2], backend, config)
     return moba_attention(
         q, k, v, block_size=config.block_size, top_k=config.top_k, scale=scale, backend=config.backend, **gate
     )

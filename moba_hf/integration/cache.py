@@ -1,8 +1,9 @@
 """MoBA's per-layer block state, kept on the transformers `Cache`, and the sparse decode step that reads it.
 
-transformers does not hand the cache to attention functions, so the first time `moba_attention_forward`
-sees an attention module it registers a forward pre-hook that stashes (weak references to) the call's cache
-and the layer's keys as they were *before* `cache.update`. The block state lives in a dict on the cache
+transformers does not hand the cache to attention functions, so each attention module gets a forward pre-hook
+that stashes (weak references to) the call's cache and the layer's keys as they were *before* `cache.update`:
+`apply` installs them (and `revert` removes them); a model loaded with plain `attn_implementation="moba"` gets
+them the first time `moba_attention_forward` sees each module. The block state lives in a dict on the cache
 object, one `BlockState` per layer, so it is freed with the cache and survives `generate`.
 
 A state is trusted only if the keys the layer held before this call are the very tensor the state last
@@ -84,6 +85,13 @@ def install_hooks(module: torch.nn.Module) -> None:
     )
     setattr(module, _HOOKS_ATTR, handles)
     setattr(module, _CALL_ATTR, None)
+
+
+def install_model_hooks(model: torch.nn.Module, attention_classes: tuple[type, ...]) -> None:
+    """`install_hooks` on every attention module of `model` (used by `apply`)."""
+    for module in model.modules():
+        if isinstance(module, attention_classes):
+            install_hooks(module)
 
 
 def remove_hooks(model: torch.nn.Module) -> None:
@@ -262,12 +270,6 @@ def block_state(
     state.append(keys[:, :, state.n :], real)
     state.keys_ref = weakref.ref(keys)
     return state
-
-
-def drop_state(cache: Any) -> None:
-    """Forget every layer's block state (it is also rebuilt automatically whenever it is out of date)."""
-    if hasattr(cache, _STATE_ATTR):
-        delattr(cache, _STATE_ATTR)
 
 
 # --- the cached step ---------------------------------------------------------------------------------------------

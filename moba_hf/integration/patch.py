@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from ..config import MobaConfig
-from ..dca.config import resolve as resolve_dca
-from .cache import remove_hooks
+from .cache import install_model_hooks, remove_hooks
+from .dca import drop_cached_frequencies
+from .dca import resolve as resolve_dca
 from .register import NAME, register
-from .support import check_supported
+from .support import check_supported, family_of
 
 _PREVIOUS = "_moba_previous"  # attribute on the model: (attn_implementation, moba_config) before apply()
 
@@ -39,6 +40,7 @@ def apply(model: Any, config: ConfigLike = None) -> Any:
         setattr(model, _PREVIOUS, (model.config._attn_implementation, getattr(model.config, "moba_config", None)))
     model.config.moba_config = moba.to_dict()
     model.set_attn_implementation(NAME)
+    install_model_hooks(model, family_of(type(model.config)).attentions)  # the KV-cache hooks; revert removes them
     return model
 
 
@@ -48,7 +50,8 @@ def revert(model: Any) -> Any:
         return model
     implementation, moba_config = getattr(model, _PREVIOUS)
     delattr(model, _PREVIOUS)
-    remove_hooks(model)  # the cache hooks moba attention installed on its first call
+    remove_hooks(model)  # the KV-cache hooks apply (or moba attention's first call) installed
+    drop_cached_frequencies(model)
     if moba_config is None:
         if "moba_config" in vars(model.config):
             del model.config.moba_config

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -79,6 +80,25 @@ def tracking() -> bool:
 def record(layer: int, attended: int, causal: int, backend: str) -> None:
     for stats in _active:
         stats.record(layer, attended, causal, backend)
+
+
+def record_attention(
+    layer: int | None, q: torch.Tensor, num_keys: int, backend: str | Callable[[], str], moba: Any = None
+) -> None:
+    """Count one prefill attention call of q [B, Hq, Nq, D] over `num_keys` keys, if tracking is on: dense when
+    `moba` is None, else MoBA's selection rule with the gate of `moba` (a MobaConfig). `backend`: the name to
+    report, or a function giving it (asked only while tracking)."""
+    if not _active:
+        return
+    b, hq, nq = q.shape[:3]
+    causal = b * causal_pairs(hq, nq, num_keys)
+    attended = causal
+    if moba is not None:
+        attended = rule_pairs(
+            b * hq, nq, num_keys, block_size=moba.block_size, top_k=moba.top_k, sink_blocks=moba.sink_blocks,
+            local_blocks=moba.local_blocks,
+        )  # fmt: skip
+    record(layer, attended, causal, backend if isinstance(backend, str) else backend())
 
 
 def causal_pairs(heads: int, q_length: int, kv_length: int) -> int:

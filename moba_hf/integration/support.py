@@ -12,7 +12,7 @@ the model when, in addition,
 
 Attention dropout is refused where it would act: by the attention function, in training.
 DCA moves RoPE positions by rotating q and k again, so it also needs frequencies that do not depend on
-the sequence length (`dca.config.FIXED_ROPE_TYPES`) applied over the whole head in the rotate-half layout;
+the sequence length (`FIXED_ROPE_TYPES`) applied over the whole head in the rotate-half layout;
 `check_dca_rope` checks that numerically against the model's own rotary code.
 """
 
@@ -31,6 +31,8 @@ from types import ModuleType
 from typing import Any
 
 import torch
+
+from ..kernels.rope import rotate
 
 logger = logging.getLogger("moba_hf")
 
@@ -68,6 +70,7 @@ class Family:
     problems: tuple[str, ...]  # reasons the code itself rules "moba" out (empty: fine)
     uses_sliding_window: bool  # its code reads sliding_window (in the attention call or the mask)
     rotary: type | None  # the model's RoPE class (None: no RoPE)
+    attentions: tuple[type, ...] = ()  # its attention module classes
 
 
 def check_supported(model_config: Any) -> None:
@@ -166,7 +169,7 @@ def family_of(config_class: type) -> Family:
     rotary = _rotary_class(module, attentions)
     if rotary is None:
         problems.append("it has no RoPE (moba_hf covers RoPE decoders)")
-    return Family(module, tuple(problems), "sliding_window" in source, rotary)
+    return Family(module, tuple(problems), "sliding_window" in source, rotary, tuple(attentions))
 
 
 def _source(obj: Any) -> str:
@@ -204,18 +207,39 @@ def _attention_problems(cls: type) -> list[str]:
 
 def _rotary_class(module: ModuleType, attentions: list[type]) -> type | None:
     rotaries = {k: cls for k, cls in vars(module).items() if k.endswith("RotaryEmbedding") and inspect.isclass(cls)}
-    for cls in attentions:  # the naming dca.hf uses to find a layer's frequencies
+    for cls in attentions:  # the naming integration.dca uses to find a layer's frequencies
         match = rotaries.get(cls.__name__.removesuffix("Attention") + "RotaryEmbedding")
         if match is not None:
             return match
     return next(iter(rotaries.values())) if len(rotaries) == 1 else None
 
 
+# rope types whose frequencies do not depend on the sequence length, so rotating by a position delta is exact
+# (YaRN's attention factor scales cos / sin by a constant, which the extra rotation keeps); dynamic NTK and
+# longrope switch frequencies with the sequence length
+FIXED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_parameters(model_config: Any) -> dict[str, Any]:
+    params = getattr(model_config, "rope_parameters", None) or getattr(model_config, "rope_scaling", None) or {}
+    return dict(params) if isinstance(params, Mapping) else {}
+
+
+def check_rope_type(model_config: Any) -> None:
+    """Refuse RoPE scalings whose frequencies change with the sequence length (DCA needs fixed ones)."""
+    params = rope_parameters(model_config)
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type not in FIXED_ROPE_TYPES:
+        raise ValueError(
+            f"DCA needs RoPE frequencies that do not depend on the sequence length; this model's rope_scaling type "
+            f"is {rope_type!r} (supported: {', '.join(FIXED_ROPE_TYPES)}). Remove the {rope_type!r} scaling from "
+            "the model config to use DCA."
+        )
+
+
 def check_dca_rope(model_config: Any) -> None:
     """Refuse (ValueError) DCA for a model whose RoPE DCA cannot move exactly: a rope type whose frequencies
     depend on the sequence length, RoPE over part of the head, or another pairing of dimensions."""
-    from ..dca.config import check_rope_type
-
     check_rope_type(model_config)
     problem = _rope_layout_problem(type(model_config), _rope_key(model_config), model_config)
     if problem is not None:
@@ -237,13 +261,11 @@ _LAYOUTS: dict[tuple[type, str], str | None] = {}
 
 
 def _rope_layout_problem(config_class: type, key: str, model_config: Any) -> str | None:
-    """Rotate a test vector with the model's own RoPE code and with `dca.rope.rotate`; cached per RoPE setting
+    """Rotate a test vector with the model's own RoPE code and with `kernels.rope.rotate`; cached per RoPE setting
     (this runs in every forward, once per layer)."""
     cached = _LAYOUTS.get((config_class, key), ...)
     if cached is not ...:
         return cached
-    from ..dca.rope import rotate
-
     family = family_of(config_class)
     apply_rope = getattr(family.module, "apply_rotary_pos_emb", None)
     if family.rotary is None or apply_rope is None:

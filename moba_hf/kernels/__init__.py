@@ -1,60 +1,122 @@
 """MoBA kernels: one public function, many backends, no transformers import.
 
 Every backend is a function with exactly the signature of `moba_attention_reference`; `moba_attention`
-dispatches to one by name. Backends living in optional-dependency modules are imported lazily, and a
-missing dependency falls back (one log line) instead of raising ImportError.
+dispatches to one by name. What a backend can do is data, one `Backend` entry each in `_REGISTRY`; backends
+living in optional-dependency modules are imported lazily, and a missing dependency (or an input the backend
+cannot take, or gradients it cannot compute) falls back to what "auto" picks, with one log line per backend.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from .common import causal_attention, check_inputs, check_moba_args, gate_scores, selected_blocks
+from .common import (
+    causal_attention,
+    check_inputs,
+    check_moba_args,
+    cuda_or_triton_interpreter,
+    flash_attn_takes,
+    gate_scores,
+    needs_grad,
+    selected_blocks,
+)
 from .reference import moba_attention_reference
 
 logger = logging.getLogger("moba_hf")
 
-# name -> "module:function" (lazily imported) ; the reference is always there
-_BACKEND_PATHS: dict[str, str] = {
-    "reference": "moba_hf.kernels.reference:moba_attention_reference",
-    "torch": "moba_hf.kernels.torch_impl:moba_attention_torch",
-    "flex": "moba_hf.kernels.flex:moba_attention_flex",
-    "triton": "moba_hf.kernels.triton_impl:moba_attention_triton",
-    "flash": "moba_hf.kernels.flash:moba_attention_flash",
-}
-# "auto" tries these in order for each device type; the first importable/applicable one wins
-_AUTO_ORDER: dict[str, tuple[str, ...]] = {
-    "cuda": ("triton", "flash", "torch", "flex", "reference"),
-    "cpu": ("torch", "reference"),
-}
+
+def _anywhere(q: torch.Tensor) -> bool:
+    return True
+
+
+def _cuda(q: torch.Tensor) -> bool:
+    return q.is_cuda
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One kernel backend.
+
+    loader:        "package.module:function", imported on first use (ImportError: unavailable)
+    runs_on:       q -> whether the backend can run this input at all when asked for by name
+    auto_may_pick: q -> whether "auto" may pick it (flex runs on CPU but compiles for minutes per shape)
+    has_backward:  q -> whether it computes gradients for this input
+    auto_rank:     "auto" tries backends by increasing rank; the first available one that may pick q wins
+    """
+
+    name: str
+    loader: str
+    runs_on: Callable[[torch.Tensor], bool] = _anywhere
+    auto_may_pick: Callable[[torch.Tensor], bool] = _anywhere
+    has_backward: Callable[[torch.Tensor], bool] = _anywhere
+    auto_rank: int = 100
+
+
+_REGISTRY: dict[str, Backend] = {
+    b.name: b
+    for b in (
+        Backend("reference", "moba_hf.kernels.reference:moba_attention_reference", auto_rank=1000),
+        Backend("torch", "moba_hf.kernels.torch_impl:moba_attention_torch", auto_rank=30),
+        Backend("flex", "moba_hf.kernels.flex:moba_attention_flex", auto_may_pick=_cuda, has_backward=_cuda,
+                auto_rank=40),
+        Backend("triton", "moba_hf.kernels.triton_impl:moba_attention_triton", runs_on=cuda_or_triton_interpreter,
+                auto_may_pick=_cuda, auto_rank=10),
+        Backend("flash", "moba_hf.kernels.flash:moba_attention_flash", runs_on=flash_attn_takes,
+                auto_may_pick=flash_attn_takes, auto_rank=20),
+    )
+}  # fmt: skip
 _loaded: dict[str, Callable] = {"reference": moba_attention_reference}
 _unavailable: dict[str, str] = {}
 _warned: set[str] = set()
 
-BACKENDS = ("auto", "reference", "torch", "flex", "triton", "flash")
+
+class _Names(Sequence):
+    """ "auto" and the registered backend names, read live (a backend registered later is a valid name)."""
+
+    def _names(self) -> tuple[str, ...]:
+        return ("auto", *_REGISTRY)
+
+    def __getitem__(self, index):  # noqa: ANN001, ANN204 - Sequence protocol
+        return self._names()[index]
+
+    def __len__(self) -> int:
+        return len(_REGISTRY) + 1
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __contains__(self, name: object) -> bool:
+        return name == "auto" or name in _REGISTRY
+
+    def __repr__(self) -> str:
+        return repr(self._names())
 
 
-def register_backend(name: str, path: str) -> None:
-    """Make backend `name` available as the function at `path` ("package.module:function")."""
-    _BACKEND_PATHS[name] = path
-    _loaded.pop(name, None)
-    _unavailable.pop(name, None)
+BACKENDS: Sequence[str] = _Names()
 
 
-def set_auto_order(device_type: str, names: tuple[str, ...]) -> None:
-    _AUTO_ORDER[device_type] = tuple(names)
+def register_backend(backend: Backend) -> None:
+    """Add (or replace) a backend; `moba_attention(..., backend=backend.name)` and `MobaConfig(backend=...)`
+    accept its name from then on."""
+    if not backend.name or backend.name == "auto" or ":" not in backend.loader:
+        raise ValueError(f"a backend needs a name other than 'auto' and a 'module:function' loader, got {backend}")
+    _REGISTRY[backend.name] = backend
+    _loaded.pop(backend.name, None)
+    _unavailable.pop(backend.name, None)
+    _warned.discard(backend.name)
 
 
 def _load(name: str) -> Callable | None:
     if name in _loaded:
         return _loaded[name]
-    if name in _unavailable or name not in _BACKEND_PATHS:
+    if name in _unavailable or name not in _REGISTRY:
         return None
-    module_name, func_name = _BACKEND_PATHS[name].split(":")
+    module_name, func_name = _REGISTRY[name].loader.split(":")
     try:
         fn = getattr(importlib.import_module(module_name), func_name)
     except ImportError as err:  # optional dependency missing (triton, flash-attn)
@@ -68,31 +130,31 @@ def backend_available(name: str) -> bool:
     return _load(name) is not None
 
 
-def resolve_backend(backend: str, q: torch.Tensor) -> str:
-    """The concrete backend `moba_attention(..., backend=backend)` runs for query `q`."""
+def resolve_backend(backend: str, q: torch.Tensor, *, needs_grad: bool = False) -> str:
+    """The concrete backend `moba_attention(..., backend=backend)` runs for query `q` (and gradients when
+    `needs_grad`)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        for name in _AUTO_ORDER.get(q.device.type, _AUTO_ORDER["cpu"]):
-            if _load(name) is not None and _applicable(name, q):
-                return name
+        for entry in sorted(_REGISTRY.values(), key=lambda e: e.auto_rank):
+            if entry.auto_may_pick(q) and (not needs_grad or entry.has_backward(q)) and _load(entry.name):
+                return entry.name
         return "reference"
-    if _load(backend) is None or not _applicable(backend, q, "can_run"):
-        # importable but unable to run this input at all (e.g. "triton" on CPU tensors) falls back the same way
-        reason = _unavailable.get(backend, f"does not run on {q.device.type} tensors")
-        fallback = resolve_backend("auto", q)
-        if backend not in _warned:
-            _warned.add(backend)
-            logger.warning("moba_hf: backend %r unavailable (%s); falling back to %r", backend, reason, fallback)
-        return fallback
-    return backend
-
-
-def _applicable(name: str, q: torch.Tensor, predicate: str = "supports") -> bool:
-    # optional per-backend predicates (q) -> bool: `supports` says whether "auto" may pick it, `can_run` whether
-    # an explicit request can run at all ("flex" does not support CPU for "auto" but can run there when asked)
-    check = getattr(_loaded[name], predicate, None)
-    return check is None or bool(check(q))
+    entry = _REGISTRY[backend]
+    reason = None
+    if _load(backend) is None:
+        reason = _unavailable.get(backend, "not importable")
+    elif not entry.runs_on(q):
+        reason = f"does not run on {q.device.type} tensors"
+    elif needs_grad and not entry.has_backward(q):
+        reason = f"has no backward on {q.device.type}"
+    if reason is None:
+        return backend
+    fallback = resolve_backend("auto", q, needs_grad=needs_grad)
+    if backend not in _warned:
+        _warned.add(backend)
+        logger.warning("moba_hf: backend %r unavailable (%s); falling back to %r", backend, reason, fallback)
+    return fallback
 
 
 def moba_attention(
@@ -120,7 +182,7 @@ def moba_attention(
     `pooling`, `sink_blocks`, `local_blocks`: see `MobaConfig`.
     """
     check_inputs(q, k, v, scale)
-    name = resolve_backend(backend, q)
+    name = resolve_backend(backend, q, needs_grad=needs_grad(q, k, v))
     logger.debug("moba_attention: backend=%s q=%s k=%s", name, tuple(q.shape), tuple(k.shape))
     return _loaded[name](
         q,
@@ -137,6 +199,7 @@ def moba_attention(
 
 __all__ = [
     "BACKENDS",
+    "Backend",
     "backend_available",
     "causal_attention",
     "check_inputs",
@@ -147,5 +210,4 @@ __all__ = [
     "register_backend",
     "resolve_backend",
     "selected_blocks",
-    "set_auto_order",
 ]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from collections.abc import Callable, Iterator
 
 import torch
@@ -449,6 +450,25 @@ def finite_key_gradients(attend: Callable[[torch.Tensor], torch.Tensor], k: torc
     return _ValueOf.apply(attend(k.masked_fill(~k.isfinite(), 0)), value)
 
 
+def needs_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether autograd will ask for gradients of an attention over q, k, v."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+
+
 def needs_finite_key_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    return grad and not all_finite(k)
+    return needs_grad(q, k, v) and not all_finite(k)
+
+
+def cuda_or_triton_interpreter(q: torch.Tensor) -> bool:
+    """Where the Triton kernels run: CUDA tensors, or any with the interpreter on (TRITON_INTERPRET=1)."""
+    return q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def flash_attn_takes(q: torch.Tensor) -> bool:
+    """What flash-attn 2 accepts: CUDA fp16/bf16, head_dim <= 256, an Ampere or newer GPU."""
+    return (
+        q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] <= 256
+        and torch.cuda.get_device_capability(q.device)[0] >= 8
+    )

@@ -57,8 +57,6 @@ def check_decode_args(
         )
     if starts is not None and (starts.shape != (b,) or bool((starts < 0).any()) or bool((nk - starts < nq).any())):
         raise ValueError(f"starts must be [B={b}] cache positions with at least Nq={nq} tokens after them (Nk={nk})")
-    if not 1 <= nq <= nk:
-        raise ValueError(f"need 1 <= Nq <= Nk, got Nq={nq}, Nk={nk}")
 
 
 def decode_selection(

@@ -31,6 +31,7 @@ from .common import (
     check_moba_args,
     effective_block_size,
     finite_key_gradients,
+    flash_attn_takes,
     gate_dtype,
     has_nonfinite,
     moba_allowed,
@@ -53,16 +54,6 @@ if _version < _MIN_VERSION:
 
 _GATE_ELEMENTS = 1 << 26  # gate scores (rows x blocks) held at once
 exact_lse_gradient = True  # tests switch this off to show that the naive merge's gradients are wrong
-
-
-def _runnable(q: torch.Tensor) -> bool:
-    """What flash-attn 2 accepts: CUDA fp16/bf16, head_dim <= 256, an Ampere or newer GPU."""
-    return (
-        q.is_cuda
-        and q.dtype in (torch.float16, torch.bfloat16)
-        and q.shape[-1] <= 256
-        and torch.cuda.get_device_capability(q.device)[0] >= 8
-    )
 
 
 def _cu(lengths: torch.Tensor) -> torch.Tensor:
@@ -125,7 +116,7 @@ def moba_attention_flash(
         q, k, v, block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
     )
     block_size = effective_block_size(block_size, k.shape[2])  # bounded by the sequence
-    if not _runnable(q):
+    if not flash_attn_takes(q):
         raise ValueError(
             "backend 'flash' needs CUDA float16/bfloat16 tensors with head_dim <= 256 on an sm80+ GPU, got "
             f"device {q.device}, dtype {q.dtype}, head_dim {q.shape[-1]}"
@@ -190,7 +181,3 @@ def moba_attention_flash(
         0, rows, out_g.reshape(-1, d).to(dtype) * (lse_g - total[rows]).exp()[:, None]
     )
     return merged.to(q.dtype).view(b, hkv, nq, g, d).transpose(2, 3).reshape(b, hq, nq, d)
-
-
-moba_attention_flash.supports = _runnable  # "auto" picks it only for inputs flash-attn takes
-moba_attention_flash.can_run = _runnable  # an explicit request on anything else falls back with one log line

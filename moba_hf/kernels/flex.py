@@ -12,8 +12,6 @@ On CUDA the kernel is compiled Triton; on CPU it runs under `torch.compile` (C++
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from .common import (
@@ -22,13 +20,12 @@ from .common import (
     effective_block_size,
     has_nonfinite,
     moba_allowed,
+    needs_grad,
     num_blocks,
     propagate_nonfinite,
     selection_slices,
 )
 from .torch_impl import moba_attention_torch
-
-logger = logging.getLogger("moba_hf")
 
 try:
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -38,7 +35,6 @@ except ImportError as err:  # torch < 2.5
 _Q_TILE = 128
 _GATE_ELEMENTS = 1 << 26  # selection (rows x blocks) held at once
 _compiled = None
-_warned: list[bool] = []
 
 
 def _flex():
@@ -147,23 +143,11 @@ def moba_attention_flex(
         return propagate_nonfinite(
             lambda q_, v_: moba_attention_flex(q_, k, v_, scale=scale, **gate), q, v, moba_allowed(q, k, **gate)
         )
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if not all_finite(k):  # compiled FlexAttention (CPU) drops NaN scores: the row would hide the NaN
         return moba_attention_torch(q, k, v, scale=scale, **gate)
-    if needs_grad and q.device.type == "cpu":  # FlexAttention has no CPU backward
-        if not _warned:
-            _warned.append(True)
-            logger.warning("moba_hf: flex has no CPU backward; using backend 'torch' when gradients are needed")
-        return moba_attention_torch(
-            q,
-            k,
-            v,
-            block_size=block_size,
-            top_k=top_k,
-            scale=scale,
-            pooling=pooling,
-            sink_blocks=sink_blocks,
-            local_blocks=local_blocks,
+    if needs_grad(q, k, v) and q.device.type == "cpu":  # the registry sends such calls to another backend
+        raise ValueError(
+            "backend 'flex' has no CPU backward: use backend 'torch' (or 'auto') when gradients are needed"
         )
     with torch.no_grad():
         mask = moba_block_mask(
@@ -177,7 +161,3 @@ def moba_attention_flex(
         )
     out = _flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out.to(q.dtype)
-
-
-# "auto" uses flex on CUDA only: on CPU each new shape triggers a long C++ compilation
-moba_attention_flex.supports = lambda q: q.device.type == "cuda"

@@ -12,14 +12,10 @@ gives the softmax over the union of attended keys. Memory grows with N * top_k *
 in rows), never with N^2. The backward recomputes each piece from the saved final output and log-sum-exp, the
 flash-attention way: P = exp(S - lse_final) is that piece's share of the global softmax.
 
-On CPU the pieces run PyTorch's fused flash-attention kernel (`_scaled_dot_product_flash_attention_for_cpu`,
-forward and backward, it returns the log-sum-exp); elsewhere, or if that op is missing, plain matmuls do it.
+The pieces and their merge are `kernels.dense` (PyTorch's fused CPU flash-attention op where it serves).
 """
 
 from __future__ import annotations
-
-import contextlib
-import threading
 
 import torch
 
@@ -29,11 +25,18 @@ from .common import (
     effective_block_size,
     gate_dtype,
     has_nonfinite,
-    masked_matmul,
     moba_allowed,
     num_blocks,
     propagate_nonfinite,
     selection_slices,
+)
+from .dense import (
+    attention_with_lse,
+    attention_with_lse_backward,
+    fused_available,
+    fused_if,
+    merge_lse_,
+    serial,
 )
 
 # working-set bounds: small enough to keep memory ~ N * top_k * block_size, big enough for efficient kernels
@@ -63,133 +66,15 @@ def _batch_rows(device: torch.device, block_size: int) -> int:
     return _BATCH_ROWS if device.type == "cpu" else max(_chunk_rows(block_size), _GPU_SCORES // block_size)
 
 
-# private but long-standing ops (torch >= 2.3); looked up softly so a missing one means the matmul path
-_FUSED_FWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_FUSED_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-use_fused = True  # tests switch this off to check the matmul path
 # Opt-in for oversubscribed machines: run the index bookkeeping (gathers, sorts, merges: many short memory-bound
 # ops) on one thread and only the fused attention calls on the caller's threads, since there each short
 # multi-threaded op waits for sleeping workers. Off by default: on an idle 2-core box it made a 32K forward
 # 1.3-2.4 s instead of 1.15 s.
 serial_bookkeeping = False
-_threads = threading.local()
-
-
-@contextlib.contextmanager
-def _serial(q: torch.Tensor):
-    n = torch.get_num_threads()
-    if not (serial_bookkeeping and fused_available(q)) or n == 1 or getattr(_threads, "n", 0):
-        yield
-        return
-    _threads.n = n
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-        _threads.n = 0
-
-
-def _parallel(fn, *args, **kwargs):
-    n = getattr(_threads, "n", 0)
-    if not n:
-        return fn(*args, **kwargs)
-    torch.set_num_threads(n)
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        torch.set_num_threads(1)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)  # tests fill it with NaN: unwritten rows must show
-
-
-def fused_available(t: torch.Tensor) -> bool:
-    """Whether the fused CPU flash-attention ops serve `t` (CPU tensor, ops present, not switched off)."""
-    on = use_fused and not getattr(_threads, "no_fused", False)
-    return on and _FUSED_FWD is not None and _FUSED_BWD is not None and t.device.type == "cpu"
-
-
-@contextlib.contextmanager
-def _fused_if(finite_keys: bool):
-    """The fused op turns a row whose scores are all NaN (one visible key, a NaN) into output 0, log-sum-exp 0:
-    with non-finite keys the pieces run as matmuls, which keep the NaN."""
-    before = getattr(_threads, "no_fused", False)
-    _threads.no_fused = before or not finite_keys
-    try:
-        yield
-    finally:
-        _threads.no_fused = before
-
-
-def _offset_mask(nq: int, nk: int, offset: int, like: torch.Tensor) -> torch.Tensor:
-    """Additive causal mask, query i at key position i + offset (bottom-right when offset = nk - nq)."""
-    allowed = torch.arange(nq, device=like.device)[:, None] + offset >= torch.arange(nk, device=like.device)[None, :]
-    return torch.zeros(nq, nk, dtype=like.dtype, device=like.device).masked_fill_(~allowed, float("-inf"))
-
-
-def attention_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int | None, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense attention returning its log-sum-exp: q [b, hq, n, d], k, v [b, hk, m, d] (GQA: hq a multiple of hk)
-    -> (out [b, hq, n, d], lse [b, hq, n]). Forward only; pieces merge through lse (MoBA pieces, DCA parts).
-
-    offset None: no mask; otherwise causal with query i at key position i + offset.
-    """
-    n, m = q.shape[2], k.shape[2]
-    if fused_available(q):
-        if offset is None or (offset == 0 and n == m):
-            return _parallel(_FUSED_FWD, q, k, v, 0.0, offset is not None, scale=scale)
-        return _parallel(_FUSED_FWD, q, k, v, 0.0, False, attn_mask=_offset_mask(n, m, offset, q), scale=scale)
-    b, hq, _, d = q.shape
-    hk = k.shape[1]
-    q5 = q.reshape(b, hk, hq // hk, n, d)
-    s = (q5 @ k[:, :, None].transpose(-1, -2)) * scale
-    if offset is not None:  # masked_fill, not + mask: a masked NaN key must not reach the row (NaN + -inf = NaN)
-        s = s.masked_fill(_offset_mask(n, m, offset, s) != 0, float("-inf"))
-    lse = s.logsumexp(dim=-1)
-    # a piece whose only keys score -inf (an inf key) adds nothing to the merge: out 0, lse -inf (not NaN)
-    out = (s - lse.masked_fill(lse == float("-inf"), 0)[..., None]).exp() @ v[:, :, None]
-    return out.reshape(b, hq, n, d), lse.reshape(b, hq, n)
-
-
-def _piece_bwd(
-    do: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    offset: int | None,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of one piece given the *final* output and log-sum-exp of its rows (shapes as `_piece_fwd`)."""
-    n, m = q.shape[2], k.shape[2]
-    if fused_available(q):
-        if offset is None or (offset == 0 and n == m):
-            return _parallel(_FUSED_BWD, do, q, k, v, o, lse, 0.0, offset is not None, scale=scale)
-        return _parallel(
-            _FUSED_BWD, do, q, k, v, o, lse, 0.0, False, attn_mask=_offset_mask(n, m, offset, q), scale=scale
-        )
-    b, hq, _, d = q.shape
-    hk = k.shape[1]
-    g = hq // hk
-    q5, do5, o5 = (t.reshape(b, hk, g, n, d) for t in (q, do, o))
-    k5, v5 = k[:, :, None], v[:, :, None]
-    s = (q5 @ k5.transpose(-1, -2)) * scale
-    allowed = None
-    if offset is not None:
-        allowed = _offset_mask(n, m, offset, s) == 0
-        s = s.masked_fill(~allowed, float("-inf"))
-    p = (s - lse.reshape(b, hk, g, n, 1)).exp()
-    dv = (p.transpose(-1, -2) @ do5).sum(2)
-    dp = do5 @ v5.transpose(-1, -2)
-    ds = p * (dp - (do5 * o5).sum(-1, keepdim=True))
-    # a masked NaN key must not reach dq through ds = 0 (0 * NaN)
-    dq = (ds @ k5 if allowed is None else masked_matmul(ds, allowed, k5.expand(-1, -1, g, -1, -1))) * scale
-    dk = (ds.transpose(-1, -2) @ q5).sum(2) * scale
-    return dq.reshape(b, hq, n, d), dk, dv
 
 
 class _Plan:
@@ -377,7 +262,7 @@ def _forward(q, k, v, plan: _Plan, block_size: int, scale: float, dtype: torch.d
             for first in range(tile, bs, tile):  # each later tile's rows also see the block's earlier tiles
                 rows = slice(first, first + tile)
                 o, l_ = attention_with_lse(qb[:, :, rows], kb[:, :, :first], vb[:, :, :first], None, scale)
-                _merge(ob[:, :, rows], lb[:, :, rows], o, l_)
+                merge_lse_(ob[:, :, rows], lb[:, :, rows], o, l_)
         else:
             rows, keys = where
             o, l_ = attention_with_lse(
@@ -401,17 +286,10 @@ def _forward(q, k, v, plan: _Plan, block_size: int, scale: float, dtype: torch.d
         )
         # log-sum-exp merge with what the row has so far (its own block and earlier slots)
         o_new, l_new = out_rows.index_select(0, dst), lse_rows.index_select(0, dst)
-        _merge(o_new, l_new, o.view(-1, d), l_.view(-1))
+        merge_lse_(o_new, l_new, o.view(-1, d), l_.view(-1))
         out_rows.index_copy_(0, dst, o_new)
         lse_rows.index_copy_(0, dst, l_new)
     return out, lse
-
-
-def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l_: torch.Tensor) -> None:
-    """Merge a piece's (o, l_) into (out, lse) in place by log-sum-exp (o is scaled in place too)."""
-    l_new = torch.logaddexp(lse, l_)
-    out.mul_((lse - l_new).exp_()[..., None]).add_(o.mul_((l_ - l_new).exp_()[..., None]))
-    lse.copy_(l_new)
 
 
 def _backward(do, q, k, v, out, lse, plan: _Plan, block_size: int, scale: float, dtype: torch.dtype):
@@ -429,12 +307,12 @@ def _backward(do, q, k, v, out, lse, plan: _Plan, block_size: int, scale: float,
             kb, vb, dkb, dvb = (_blocks_view(t, bi, kv, 0, where, bs) for t in (k, v, dk, dv))
             qb, kb, vb = qb.to(dtype), kb.to(dtype), vb.to(dtype)
             tile = _own_tile(bs)
-            grads = _piece_bwd(*(_tiles(t, tile) for t in (dob, qb, kb, vb, ob, lb)), 0, scale)
+            grads = attention_with_lse_backward(*(_tiles(t, tile) for t in (dob, qb, kb, vb, ob, lb)), 0, scale)
             for grad, acc in zip(grads, (dqb, dkb, dvb), strict=True):
                 acc.unflatten(2, (-1, tile)).add_(_untile(grad, acc.shape[0]))
             for first in range(tile, bs, tile):
                 rows, keys = slice(first, first + tile), slice(0, first)
-                gq, gk, gv = _piece_bwd(
+                gq, gk, gv = attention_with_lse_backward(
                     dob[:, :, rows], qb[:, :, rows], kb[:, :, keys], vb[:, :, keys], ob[:, :, rows], lb[:, :, rows],
                     None, scale,
                 )  # fmt: skip
@@ -443,7 +321,7 @@ def _backward(do, q, k, v, out, lse, plan: _Plan, block_size: int, scale: float,
                 dvb[:, :, keys].add_(gv)
         else:
             rows, keys = where
-            gq, gk, gv = _piece_bwd(
+            gq, gk, gv = attention_with_lse_backward(
                 do[bi, heads, rows][None],
                 q[bi, heads, rows][None].to(dtype),
                 k[bi, kv, keys][None].to(dtype),
@@ -462,7 +340,7 @@ def _backward(do, q, k, v, out, lse, plan: _Plan, block_size: int, scale: float,
         idx = plan.rows[rows]
         # padding rows get lse = +inf: probability 0, so they add nothing to any gradient
         lse_g = lse_rows.index_select(0, idx).masked_fill_(plan.dummy[rows], float("inf"))
-        gq, gk, gv = _piece_bwd(
+        gq, gk, gv = attention_with_lse_backward(
             _rows(do, idx).view(_calls(chunks), 1, -1, d),
             _rows(q, idx).to(dtype).view(_calls(chunks), 1, -1, d),
             _key_blocks(k, plan.blocks[chunks], bs).to(dtype),
@@ -482,7 +360,7 @@ class _MobaTorch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan, block_size, scale):
         dtype = gate_dtype(q.dtype)
-        with _serial(q), _fused_if(plan.finite_keys):
+        with serial(q, serial_bookkeeping), fused_if(plan.finite_keys):
             out, lse = _forward(q, k, v, plan, block_size, scale, dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.block_size, ctx.scale, ctx.dtype = plan, block_size, scale, dtype
@@ -491,7 +369,7 @@ class _MobaTorch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        with _serial(q), _fused_if(ctx.plan.finite_keys):
+        with serial(q, serial_bookkeeping), fused_if(ctx.plan.finite_keys):
             dq, dk, dv = _backward(grad_out, q, k, v, out, lse, ctx.plan, ctx.block_size, ctx.scale, ctx.dtype)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
@@ -527,7 +405,7 @@ def moba_attention_torch(
     # transformers hands over [B, N, H, D] transposed views; gathering rows of strided tensors is several times
     # slower than one copy (with block 64 it made an 8K forward 1.7x slower)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    with _serial(q):
+    with serial(q, serial_bookkeeping):
         earlier = None
         if top_k > 1 or sink_blocks or local_blocks:
             b, hq, nb = q.shape[0], q.shape[1], num_blocks(k.shape[2], block_size)
@@ -540,7 +418,7 @@ def moba_attention_torch(
 
 
 @torch.no_grad()
-def moba_attention_torch_variants(
+def attention_with_query_variants(
     queries: list[torch.Tensor],
     k: torch.Tensor,
     v: torch.Tensor,
@@ -572,9 +450,9 @@ def moba_attention_torch_variants(
     own = ((torch.arange(nq, device=q.device) + nk - nq) // block_size)[:, None] == torch.arange(
         selected.shape[-1], device=q.device
     )
-    with _serial(q):
+    with serial(q, serial_bookkeeping):
         plan = _Plan(q, k, block_size, [(0, selected & ~own)], variants=(len(queries), variant_chunk))
         q_gated = torch.cat([t.to(q.dtype) for t in queries], dim=0) if len(queries) > 1 else None
-        with _fused_if(plan.finite_keys):
+        with fused_if(plan.finite_keys):
             out, _ = _forward(q, k, v, plan, block_size, scale, gate_dtype(q.dtype), q_gated)
     return out

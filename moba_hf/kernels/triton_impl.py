@@ -21,12 +21,12 @@ deterministic only up to float32 summation order.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
 from .common import (
     check_moba_args,
+    cuda_or_triton_interpreter,
     effective_block_size,
     finite_key_gradients,
     gate_dtype,
@@ -344,7 +344,7 @@ def moba_attention_triton(
         q, k, v, block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
     )
     block_size = effective_block_size(block_size, k.shape[2])  # bounded by the sequence
-    if not _supports(q):
+    if not cuda_or_triton_interpreter(q):
         raise ValueError(f"backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), got device {q.device}")
     if has_nonfinite(q, v):
         gate = dict(
@@ -366,12 +366,3 @@ def moba_attention_triton(
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         return _MobaTriton.apply(q, k, v, plan, block_size, scale)
-
-
-def _supports(q: torch.Tensor) -> bool:
-    return q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-# the registry asks these: "auto" never picks it, and an explicit request falls back, on CPU without the interpreter
-moba_attention_triton.supports = _supports
-moba_attention_triton.can_run = _supports

@@ -2,7 +2,7 @@
 
 Inputs are already remapped: keys rotated at ``j mod s`` (as they sit in the KV cache) and queries at
 their intra-chunk position ``i mod s``. The successive / inter query variants are rotations of that query
-(`rope.rotate`). For a query tile inside chunk m the keys split into three contiguous parts::
+(`kernels.rope.rotate`). For a query tile inside chunk m the keys split into three contiguous parts::
 
     keys    [0, (m-1)s)        [(m-1)s, ms)          [ms, i]
     query   inter: c-1         successive            intra: i mod s (causal)
@@ -19,7 +19,7 @@ import numbers
 
 import torch
 
-from ..kernels.common import (
+from .common import (
     all_finite,
     causal_attention,
     check_inputs,
@@ -31,15 +31,16 @@ from ..kernels.common import (
     num_blocks,
     propagate_nonfinite,
 )
-from ..kernels.torch_impl import attention_with_lse, fused_available, moba_attention_torch_variants
-from .positions import INTER, query_positions, region
+from .dca_positions import INTER, query_positions, region
+from .dense import attention_with_lse, fused_available, merge_lse_, merge_partials, partial_attention
 from .rope import rotate
+from .torch_impl import attention_with_query_variants
 
 # elements of one score tile [B, Hq, T, Nk]: bounds the memory of a prefill (2**27 float32 = 512 MiB)
 TILE_ELEMENTS = 1 << 27
 
 
-def _check_dca(nk: int, pretraining_length: int, chunk_size: int, inv_freq: torch.Tensor, head_dim: int) -> None:
+def _check_dca(pretraining_length: int, chunk_size: int, inv_freq: torch.Tensor, head_dim: int) -> None:
     if isinstance(pretraining_length, bool) or not isinstance(pretraining_length, int) or pretraining_length < 2:
         raise ValueError(f"pretraining_length must be an integer >= 2, got {pretraining_length!r}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or not 0 < chunk_size < pretraining_length:
@@ -105,34 +106,6 @@ def dca_selected_blocks(
         )
 
 
-def _part(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, allowed: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Unnormalized softmax attention of one key part.
-
-    q: [B, Hkv, G*T, D]; k, v: [B, Hkv, L, D]; allowed: bool broadcastable to [B, Hkv, G*T, L] or None.
-    Returns (sum_j e_j v_j [B, Hkv, G*T, D], row max [.., 1], row sum [.., 1]) with e_j = exp(score_j - max).
-    """
-    scores = (q @ k.transpose(-1, -2)) * scale
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    row_max = scores.amax(dim=-1, keepdim=True).detach()
-    # a row with no key in this part keeps max -inf, so the merge weighs it 0; exp needs a finite shift
-    weights = torch.exp(scores - row_max.masked_fill(row_max == float("-inf"), 0.0))
-    return weights @ v, row_max, weights.sum(dim=-1, keepdim=True)
-
-
-def _merge(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Combine parts through their log-sum-exp: out = sum_p e^(m_p - M) o_p / sum_p e^(m_p - M) l_p.
-
-    The intra part always holds the query's own key, so M is finite.
-    """
-    top = torch.stack([m for _, m, _ in parts]).amax(dim=0)
-    numerator = sum(o * torch.exp(m - top) for o, m, _ in parts)
-    denominator = sum(l * torch.exp(m - top) for _, m, l in parts)
-    return numerator / denominator
-
-
 def dca_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -171,7 +144,7 @@ def dca_attention(
             raise ValueError(f"chunk_size ({chunk_size}) must be a multiple of block_size ({block_size})")
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
-    _check_dca(nk, pretraining_length, chunk_size, inv_freq, d)
+    _check_dca(pretraining_length, chunk_size, inv_freq, d)
     if has_nonfinite(q, v):  # the kernels' NaN / inf rule (see kernels.common.propagate_nonfinite)
         args = dict(pretraining_length=pretraining_length, chunk_size=chunk_size, inv_freq=inv_freq, scale=scale,
                     temperature=temperature, block_size=block_size, top_k=top_k, pooling=pooling,
@@ -197,12 +170,13 @@ def dca_attention(
             return _dense_dca_by_parts(variants, k, v, s, scale).to(q.dtype)
         return _dense_dca(variants, k, v, s, scale).to(q.dtype)
     if fast:
-        out = moba_attention_torch_variants(
+        out = attention_with_query_variants(
             variants, k, v, selected=selected, block_size=block_size, variant_chunk=s, scale=scale
         )
         return out.to(q.dtype)
+    # with gradients (or off CPU), MoBA: per query tile, one masked part per region, merged by log-sum-exp
     kf, vf = k.to(dtype), v.to(dtype)
-    key_block = None if block_size is None else torch.arange(nk, device=k.device) // block_size
+    key_block = torch.arange(nk, device=k.device) // block_size
     tile = max(1, min(nq, TILE_ELEMENTS // max(1, b * hq * nk)))
 
     outputs = []
@@ -216,17 +190,12 @@ def dca_attention(
         parts = []
         for which, (lo, hi) in enumerate(bounds[: min(chunk, INTER) + 1]):
             qv = variants[which][:, :, t0:t1].reshape(b, hkv, g * (t1 - t0), d)
-            allowed = None
+            allowed = selected[:, :, t0:t1][..., key_block[lo:hi]]  # [B, Hq, T, L]
             if which == 0:
-                allowed = torch.arange(lo, hi, device=q.device)[None, :] <= q_pos[:, None]  # causal [T, L]
-            if selected is not None:
-                in_block = selected[:, :, t0:t1][..., key_block[lo:hi]]  # [B, Hq, T, L]
-                allowed = in_block if allowed is None else in_block & allowed
-                allowed = allowed.reshape(b, hkv, g * (t1 - t0), hi - lo)
-            elif allowed is not None:
-                allowed = allowed.repeat(g, 1)  # rows are (group member, query)
-            parts.append(_part(qv, kf[:, :, lo:hi], vf[:, :, lo:hi], scale, allowed))
-        outputs.append(_merge(parts).reshape(b, hq, t1 - t0, d))
+                allowed = allowed & (torch.arange(lo, hi, device=q.device)[None, :] <= q_pos[:, None])  # causal
+            allowed = allowed.reshape(b, hkv, g * (t1 - t0), hi - lo)
+            parts.append(partial_attention(qv, kf[:, :, lo:hi], vf[:, :, lo:hi], scale, allowed))
+        outputs.append(merge_partials(parts).reshape(b, hq, t1 - t0, d))
         t0 = t1
     return torch.cat(outputs, dim=2).to(q.dtype)
 
@@ -281,9 +250,7 @@ def _dense_dca_by_parts(
             o_part, lse_part = attention_with_lse(
                 variants[which][:, :, t0:t1], kf[:, :, a:b], vf[:, :, a:b], None, scale
             )
-            merged = torch.logaddexp(lse, lse_part)
-            o = o * (lse - merged).exp()[..., None] + o_part * (lse_part - merged).exp()[..., None]
-            lse = merged
+            merge_lse_(o, lse, o_part, lse_part)
         out[:, :, t0:t1] = o
         t0 = t1
     return out

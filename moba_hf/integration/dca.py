@@ -1,4 +1,5 @@
-"""DCA inside the "moba" attention function (works with plain `from_pretrained(..., attn_implementation="moba")`).
+"""DCA on the transformers side: its parameters resolved against a model config, and its run inside the "moba"
+attention function (works with plain `from_pretrained(..., attn_implementation="moba")`).
 
 transformers rotates q and k at their absolute positions p and appends k to the KV cache before our
 attention function runs, and hands us the cache's own key tensor (DynamicCache). So `remap_fresh` moves
@@ -13,18 +14,75 @@ the in-place remap: use the default DynamicCache.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from ..integration import sparsity
-from ..integration.layout import sequence_spans
-from ..integration.support import family_of
-from .attention import dca_attention
-from .config import DcaParams, resolve
-from .rope import rotate
+from ..dca.config import DcaConfig, DcaParams, check_block_multiple, check_chunk, default_chunk_size
+from ..kernels.dca import dca_attention
+from ..kernels.rope import rotate
+from . import sparsity
+from .layout import sequence_spans
+from .support import check_dca_rope, family_of, rope_parameters
 
 _INV_FREQ_ATTR = "_moba_dca_inv_freq"
+
+
+def model_pretraining_length(model_config: Any) -> int:
+    params = rope_parameters(model_config)
+    for value in (
+        params.get("original_max_position_embeddings"),
+        getattr(model_config, "original_max_position_embeddings", None),
+        getattr(model_config, "max_position_embeddings", None),
+    ):
+        if isinstance(value, int) and value > 1:
+            return value
+    raise ValueError("DCA needs pretraining_length: the model config has no max_position_embeddings; set it")
+
+
+def qwen_dca_block(model_config: Any) -> DcaConfig | None:
+    """Qwen2.5-1M's `dual_chunk_attention_config` mapped to the paper convention (None if absent).
+
+    Qwen / vLLM: keys at j mod (chunk_size - local_size), largest distance chunk_size
+    -> c = chunk_size + 1, s = chunk_size - local_size.
+    """
+    block = getattr(model_config, "dual_chunk_attention_config", None)
+    if not isinstance(block, Mapping) or "chunk_size" not in block:
+        return None
+    chunk, local = int(block["chunk_size"]), int(block.get("local_size", 0))
+    return DcaConfig(pretraining_length=chunk + 1, chunk_size=chunk - local)
+
+
+def resolve(dca: Any, model_config: Any, block_size: int | None = None) -> DcaParams | None:
+    """The DCA parameters a model runs with, or None when DCA is off.
+
+    dca: a DcaConfig (on), True (on, defaults), False (off), or None (on only if the checkpoint carries
+    Qwen's dual_chunk_attention_config). `block_size`: the MoBA block size when sparse MoBA is on.
+    """
+    if dca is False:
+        return None
+    qwen = qwen_dca_block(model_config)
+    if dca is None and qwen is None:
+        return None
+    config = DcaConfig() if dca is None or dca is True else DcaConfig.from_dict(dca)
+    check_dca_rope(model_config)  # the rope type, then the model's RoPE code itself
+    base = qwen or DcaConfig()
+    c = config.pretraining_length or base.pretraining_length or model_pretraining_length(model_config)
+    if config.chunk_size is not None:
+        s, explicit = config.chunk_size, True
+    elif config.local_window is not None:
+        s, explicit = c - config.local_window, True
+    elif qwen is not None and config.pretraining_length is None:
+        s, explicit = qwen.chunk_size, True
+    else:
+        s, explicit = default_chunk_size(c), False
+        if block_size is not None and s >= block_size:
+            s -= s % block_size
+    check_chunk(c, s)
+    if block_size is not None:
+        check_block_multiple(s, block_size, c, explicit)
+    return DcaParams(pretraining_length=c, chunk_size=s, temperature=config.temperature)
 
 
 def model_inv_freq(module: torch.nn.Module, device: torch.device) -> torch.Tensor:
@@ -39,6 +97,12 @@ def model_inv_freq(module: torch.nn.Module, device: torch.device) -> torch.Tenso
     inv_freq = inv_freq.detach().to(device=device, dtype=torch.float32)
     setattr(module, _INV_FREQ_ATTR, inv_freq)
     return inv_freq
+
+
+def drop_cached_frequencies(model: torch.nn.Module) -> None:
+    """Forget the frequencies `model_inv_freq` cached on the model's modules (used by `revert`)."""
+    for module in model.modules():
+        module.__dict__.pop(_INV_FREQ_ATTR, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,13 +133,8 @@ class DcaRun:
             block_size=config.block_size, top_k=config.top_k, pooling=config.pooling,
             sink_blocks=config.sink_blocks, local_blocks=config.local_blocks,
         )  # fmt: skip
-        if sparsity.tracking():
-            causal = q.shape[0] * sparsity.causal_pairs(q.shape[1], q.shape[2], nk)
-            attended, name = causal, "dca"
-            if not dense:  # DCA's gate mixes query variants, but the rule (and so the count) is MoBA's
-                rule = {key: value for key, value in moba.items() if key != "pooling"}
-                attended, name = sparsity.rule_pairs(q.shape[0] * q.shape[1], q.shape[2], nk, **rule), "dca+moba"
-            sparsity.record(layer, attended, causal, name)
+        # DCA's gate mixes query variants, but the rule (and so the count) is MoBA's
+        sparsity.record_attention(layer, q, nk, "dca" if dense else "dca+moba", None if dense else config)
         return dca_attention(
             q, k, v, pretraining_length=p.pretraining_length, chunk_size=p.chunk_size, inv_freq=self.inv_freq,
             scale=scale, temperature=p.temperature_factor(nk), **moba,
