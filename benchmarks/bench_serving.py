@@ -1,0 +1,161 @@
+"""vLLM serving speed on CPU: vLLM's own attention against the MoBA plugin, in the same run.
+
+    .venv-vllm/bin/python benchmarks/bench_serving.py --lengths 2048 4096 8192 [--moba '{"block_size": 512}']
+
+For each setting one engine (a subprocess: vLLM starts processes) times, per prompt length, time to first
+token (a request with max_tokens=1: the prefill), prefill tokens/s, and decode tokens/s (a second request of
+1 + N tokens; its extra time over the first is N decode steps). Before timing, the plugin's greedy tokens at
+the shortest length are checked against the transformers path with the same MobaConfig. Rows go to a CSV
+with the machine, versions, settings and date on each (benchmarks/results_serving.csv by default).
+Lengths above the model's 8K context set VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (RoPE beyond its trained range:
+a speed measurement only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def engine_main(job_file: str, out_file: str) -> None:
+    job = json.loads(Path(job_file).read_text())
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(**job["engine"])
+    greedy = SamplingParams(max_tokens=job["verify_tokens"], temperature=0.0)
+    verified = llm.generate([TokensPrompt(prompt_token_ids=job["verify"])], greedy)[0].outputs[0].token_ids
+    out: dict = {"verify": list(verified)}
+    rows = []
+    for ids in job["prompts"]:
+        first, full = [], []
+        for r in range(job["repeats"]):
+            # a different first token per repeat keeps the prefix cache from serving the prompt
+            variant = TokensPrompt(prompt_token_ids=[ids[0] + r + 1, *ids[1:]])
+            t = time.perf_counter()
+            llm.generate([variant], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+            first.append(time.perf_counter() - t)
+            variant = TokensPrompt(prompt_token_ids=[ids[0] + r + 101, *ids[1:]])
+            t = time.perf_counter()
+            done = llm.generate(
+                [variant], SamplingParams(max_tokens=1 + job["decode_tokens"], temperature=0.0, ignore_eos=True),
+                use_tqdm=False,
+            )  # fmt: skip
+            full.append(time.perf_counter() - t)
+            assert len(done[0].outputs[0].token_ids) == 1 + job["decode_tokens"]
+        rows.append({"tokens": len(ids), "ttft": first, "full": full})
+    out["rows"] = rows
+    Path(out_file).write_text(json.dumps(out))
+
+
+def run_engine(job: dict, env: dict[str, str]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        job_file.write_text(json.dumps(job))
+        subprocess.run(
+            [sys.executable, __file__, "--engine", str(job_file), str(out_file)],
+            env={**os.environ, **env},
+            check=True,
+        )
+        return json.loads(out_file.read_text())
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--engine":
+        engine_main(sys.argv[2], sys.argv[3])
+        return 0
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    p.add_argument("--moba", default='{"block_size": 512, "top_k": 3}', help="MobaConfig as JSON or a preset name")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--csv", default=str(ROOT / "benchmarks" / "results_serving.csv"))
+    args = p.parse_args()
+
+    import torch
+    import vllm
+    from transformers import AutoTokenizer
+
+    import moba_hf
+    from moba_hf.eval.texts import generated_text
+    from moba_hf.models import local_path
+
+    moba = json.loads(args.moba) if args.moba.lstrip().startswith("{") else args.moba
+    config = moba_hf.MobaConfig.from_spec(moba)
+    path = str(local_path())
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    text_ids = tokenizer(generated_text(max(args.lengths), seed=0), add_special_tokens=False).input_ids
+    prompts = [text_ids[:n] for n in args.lengths]
+    verify, verify_tokens = prompts[0], 8
+    max_len = max(args.lengths) + args.decode_tokens + 8
+    engine = dict(
+        model=path, dtype=args.dtype, max_model_len=max_len, enforce_eager=True, seed=0,
+        max_num_batched_tokens=max_len, enable_prefix_caching=False,
+    )  # fmt: skip
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    if max_len > 8192:
+        env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
+    job = dict(prompts=prompts, verify=verify, verify_tokens=verify_tokens, repeats=args.repeats,
+               decode_tokens=args.decode_tokens)  # fmt: skip
+    results = {
+        "vllm": run_engine({**job, "engine": engine}, {**env, "VLLM_PLUGINS": "none"}),
+        "moba": run_engine({**job, "engine": {**engine, "hf_overrides": {"moba_config": config.to_dict()}}}, env),
+    }
+
+    model = moba_hf.from_pretrained(path, moba=config, dtype=getattr(torch, args.dtype)).eval()
+    with torch.inference_mode():
+        ids = torch.tensor([verify])
+        hf = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=verify_tokens, do_sample=False)
+    hf_tokens = hf[0, len(verify) :].tolist()
+    if results["moba"]["verify"] != hf_tokens[: len(results["moba"]["verify"])]:
+        print(f"plugin != transformers path at {len(verify)} tokens: {results['moba']['verify']} vs {hf_tokens}")
+        return 1
+    print(f"verified: plugin greedy tokens == transformers path at {len(verify)} tokens ({config})")
+
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    machine = f"{platform.processor() or platform.machine()} x{os.cpu_count()}"
+    out_rows = []
+    header = ("tokens", "attention", "TTFT s", "prefill tok/s", "decode tok/s", "TTFT vs vLLM")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(header, (7, 9, 8, 14, 13, 13), strict=True)))
+    for i, n in enumerate(args.lengths):
+        base_ttft = min(results["vllm"]["rows"][i]["ttft"])
+        for name in ("vllm", "moba"):
+            row = results[name]["rows"][i]
+            ttft = min(row["ttft"])
+            extra = min(row["full"]) - ttft  # under load this can come out <= 0: then no decode figure
+            decode = args.decode_tokens / extra if extra > 0 else float("nan")
+            ratio = base_ttft / ttft
+            print(f"{n:>7} {name:>9} {ttft:8.2f} {n / ttft:14.0f} {decode:13.1f} {ratio:12.2f}x")
+            out_rows.append(dict(
+                date=stamp, machine=machine, torch=torch.__version__, vllm=vllm.__version__, dtype=args.dtype,
+                attention=name, moba=str(config) if name == "moba" else "", tokens=n, repeats=args.repeats,
+                ttft_s_min=round(ttft, 4), ttft_s_median=round(statistics.median(row["ttft"]), 4),
+                prefill_tok_s=round(n / ttft, 1), decode_tok_s=round(decode, 2), ttft_speedup=round(ratio, 3),
+            ))  # fmt: skip
+    out = Path(args.csv)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    new = not out.is_file()
+    with out.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(out_rows[0]))
+        if new:
+            writer.writeheader()
+        writer.writerows(out_rows)
+    print(f"rows appended to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

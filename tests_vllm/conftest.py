@@ -1,0 +1,131 @@
+"""Shared helpers for the vLLM plugin tests (run in the vLLM virtualenv: make test-vllm).
+
+Engine runs are expensive (~1 minute to start on 2 cores), so every engine configuration runs once per
+session, in a subprocess (engine_job.py), over all the prompts the tests need; tests read its JSON.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM plugin tests run in the vLLM virtualenv (make test-vllm)")
+
+HERE = Path(__file__).resolve().parent
+ENGINE_TIMEOUT_S = 600
+MAX_MODEL_LEN = 4096
+# environment of every engine: a bounded KV cache, no usage reporting, the engine core in its own process
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+def pytest_collection_modifyitems(config, items):
+    plugins = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    if plugins.get("moba_hf") != "moba_hf.vllm:register":
+        pytest.exit(
+            "moba_hf is not installed with its vllm.general_plugins entry point (moba_hf = "
+            "moba_hf.vllm:register): reinstall it with pip install --no-deps -e .",
+            returncode=1,
+        )
+
+
+@functools.lru_cache(maxsize=1)
+def model_path() -> str:
+    from moba_hf.models import local_path
+
+    return str(local_path())
+
+
+@functools.lru_cache(maxsize=1)
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path())
+
+
+def prompt_ids(n_tokens: int, seed: int) -> list[int]:
+    """A prose-like prompt of exactly n_tokens tokens (deterministic; varied text, so no gate ties)."""
+    from moba_hf.eval.texts import generated_text
+
+    tok = tokenizer()
+    question = " In one sentence, who appears most often in this story?"
+    tail = tok(question, add_special_tokens=False).input_ids
+    body = tok(generated_text(n_tokens, seed=seed), add_special_tokens=False).input_ids
+    return body[: n_tokens - len(tail)] + tail
+
+
+def engine_kwargs(**extra) -> dict:
+    return dict(model=model_path(), dtype="float32", max_model_len=MAX_MODEL_LEN, enforce_eager=True, seed=0, **extra)
+
+
+def run_engine(job: dict, env: dict[str, str] | None = None, timeout: float = ENGINE_TIMEOUT_S) -> dict:
+    """Start one engine in a subprocess, run the job's phases, return its results (fails with the log)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        job_file.write_text(json.dumps(job))
+        full_env = {**os.environ, **ENGINE_ENV, **(env or {})}
+        proc = subprocess.run(
+            [sys.executable, str(HERE / "engine_job.py"), str(job_file), str(out_file)],
+            env=full_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if proc.returncode != 0 or not out_file.is_file():
+            pytest.fail(f"engine run failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}")
+        return json.loads(out_file.read_text())
+
+
+def start_engine_expecting_refusal(engine: dict, env: dict[str, str] | None = None, timeout: float = 300) -> str:
+    """Start an engine that must refuse to start; return its output (vLLM logs the workers' errors to stdout)."""
+    job = {"engine": engine, "phases": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        job_file = Path(tmp) / "job.json"
+        job_file.write_text(json.dumps(job))
+        proc = subprocess.run(
+            [sys.executable, str(HERE / "engine_job.py"), str(job_file), str(Path(tmp) / "out.json")],
+            env={**os.environ, **ENGINE_ENV, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        assert proc.returncode != 0, "the engine started although it should have refused"
+        return proc.stdout + proc.stderr
+
+
+def hf_generate(moba: dict | None, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    """The transformers path (attn_implementation="moba", or "sdpa" for moba=None), greedy, float32."""
+    import torch
+
+    import moba_hf
+
+    kwargs = {"moba": moba} if moba is not None else {"attn_implementation": "sdpa"}
+    model = moba_hf.from_pretrained(model_path(), dtype=torch.float32, **kwargs).eval()
+    results = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            first = torch.log_softmax(out.logits[0][0].float(), dim=-1)
+            results.append({"tokens": out.sequences[0, len(ids) :].tolist(), "first_logprobs": first})
+    return results
+
+
+def logprob_gap(vllm_result: dict, hf_logprobs) -> float:
+    """Largest |difference| between vLLM's first-step top-5 logprobs and the HF logprobs of the same tokens."""
+    step = vllm_result["logprobs"][0]
+    gaps = [abs(lp - float(hf_logprobs[int(t)])) for t, lp in step.items()]
+    return max(g for g in gaps if g == g)  # NaN: a token the reference does not list
