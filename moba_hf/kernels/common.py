@@ -459,6 +459,18 @@ def needs_finite_key_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return needs_grad(q, k, v) and not all_finite(k)
 
 
+def route_nonfinite(attend: Callable[..., torch.Tensor], q, k, v, *, scale, **gate) -> torch.Tensor | None:
+    """For kernels that cannot carry NaN / inf themselves: the result of `attend(q, k, v, scale=, **gate)` with
+    NaN / inf propagated exactly as in the reference, or None when the inputs need no such care."""
+    if has_nonfinite(q, v):
+        return propagate_nonfinite(
+            lambda q_, v_: attend(q_, k, v_, scale=scale, **gate), q, v, moba_allowed(q, k, **gate)
+        )
+    if needs_finite_key_gradients(q, k, v):
+        return finite_key_gradients(lambda k_: attend(q, k_, v, scale=scale, **gate), k)
+    return None
+
+
 def cuda_or_triton_interpreter(q: torch.Tensor) -> bool:
     """Where the Triton kernels run: CUDA tensors, or any with the interpreter on (TRITON_INTERPRET=1)."""
     return q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"

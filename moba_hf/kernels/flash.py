@@ -30,14 +30,10 @@ import torch.nn.functional as F
 from .common import (
     check_moba_args,
     effective_block_size,
-    finite_key_gradients,
     flash_attn_takes,
     gate_dtype,
-    has_nonfinite,
-    moba_allowed,
-    needs_finite_key_gradients,
     num_blocks,
-    propagate_nonfinite,
+    route_nonfinite,
     selection_slices,
 )
 
@@ -121,18 +117,10 @@ def moba_attention_flash(
             "backend 'flash' needs CUDA float16/bfloat16 tensors with head_dim <= 256 on an sm80+ GPU, got "
             f"device {q.device}, dtype {q.dtype}, head_dim {q.shape[-1]}"
         )
-    if has_nonfinite(q, v):
-        gate = dict(
-            block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
-        )
-        return propagate_nonfinite(
-            lambda q_, v_: moba_attention_flash(q_, k, v_, scale=scale, **gate), q, v, moba_allowed(q, k, **gate)
-        )
-    if needs_finite_key_gradients(q, k, v):
-        gate = dict(
-            block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
-        )
-        return finite_key_gradients(lambda k_: moba_attention_flash(q, k_, v, scale=scale, **gate), k)
+    gate = dict(block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks)
+    guarded = route_nonfinite(moba_attention_flash, q, k, v, scale=scale, **gate)
+    if guarded is not None:
+        return guarded
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     g, bs = hq // hkv, block_size

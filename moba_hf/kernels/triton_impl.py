@@ -28,13 +28,9 @@ from .common import (
     check_moba_args,
     cuda_or_triton_interpreter,
     effective_block_size,
-    finite_key_gradients,
     gate_dtype,
-    has_nonfinite,
-    moba_allowed,
-    needs_finite_key_gradients,
     num_blocks,
-    propagate_nonfinite,
+    route_nonfinite,
     selection_slices,
 )
 
@@ -346,18 +342,10 @@ def moba_attention_triton(
     block_size = effective_block_size(block_size, k.shape[2])  # bounded by the sequence
     if not cuda_or_triton_interpreter(q):
         raise ValueError(f"backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), got device {q.device}")
-    if has_nonfinite(q, v):
-        gate = dict(
-            block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
-        )
-        return propagate_nonfinite(
-            lambda q_, v_: moba_attention_triton(q_, k, v_, scale=scale, **gate), q, v, moba_allowed(q, k, **gate)
-        )
-    if needs_finite_key_gradients(q, k, v):
-        gate = dict(
-            block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
-        )
-        return finite_key_gradients(lambda k_: moba_attention_triton(q, k_, v, scale=scale, **gate), k)
+    gate = dict(block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks)
+    guarded = route_nonfinite(moba_attention_triton, q, k, v, scale=scale, **gate)
+    if guarded is not None:
+        return guarded
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     slots = _slot_lists(
         q, k, block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
