@@ -8,7 +8,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from moba_hf import MobaConfig, cli
 from moba_hf.eval import sweep
-from moba_hf.eval.passkey import build_prompt, cell_prompt, trial_passkey
+from moba_hf.eval.families import FAMILIES
+from moba_hf.eval.passkey import WORDINGS, build_prompt, passkey_line
 from moba_hf.eval.runner import TRIALS_FILE, RunMismatch
 
 
@@ -22,28 +23,34 @@ def tiny(tokenizer):
     return LlamaForCausalLM(config).eval()
 
 
-def test_the_sweep_uses_the_passkey_prompt_of_its_cells(tokenizer):
-    cells = [c for c in sweep.sweep_cells([300], 3, 96) if c["task"] == "passkey"]
-    assert [c["depth"] for c in cells] == [0.5 / 3, 1.5 / 3, 2.5 / 3]
-    ids, key = cell_prompt(tokenizer, 0, 300, cells[1]["depth"], 1)
-    assert key == trial_passkey(0, 300, cells[1]["depth"], 1)
-    assert ids == tokenizer(build_prompt(tokenizer, 300, cells[1]["depth"], key)).input_ids and len(ids) <= 300
-    assert sweep.sweep_cells([300], 3, 96)[-1] == {"task": "ppl", "length": 96}
+def test_the_sweep_uses_the_passkey_prompt_builder(tokenizer):
+    cells = sweep.sweep_cells([300], 3, 96, ["passkey", "kv-retrieval"])
+    passkey = [c for c in cells if c.get("family") == "passkey"]
+    assert [c["depth"] for c in passkey] == [0.5 / 3, 1.5 / 3, 2.5 / 3]
+    assert len([c for c in cells if c.get("family") == "kv-retrieval"]) == 3
+    prompt = FAMILIES["passkey"].prompt(tokenizer, 0, 300, passkey[1]["depth"], 1)
+    wording = next(
+        w for w in range(len(WORDINGS)) if passkey_line(int(prompt.expected), w) in tokenizer.decode(prompt.ids)
+    )
+    text = build_prompt(tokenizer, 300, passkey[1]["depth"], int(prompt.expected), wording=wording)
+    assert prompt.ids == tokenizer(text).input_ids and len(prompt.ids) <= 300
+    assert cells[-1] == {"task": "ppl", "length": 96}
 
 
 def test_pareto_front_keeps_only_undominated_settings():
     def row(name, acc, sp):
-        return sweep.SweepRow(name, None, {8: acc}, {8: sp}, {8: 1.0}, None)
+        return sweep.SweepRow(name, None, {"passkey": {8: acc}}, {8: sp}, {8: 1.0}, None)
 
     rows = [row("dense", 1.0, 0.0), row("a", 0.8, 0.7), row("b", 0.6, 0.6), row("c", 0.2, 0.9), row("d", 0.8, 0.5)]
-    rows.append(sweep.SweepRow("broken", None, {}, {}, {}, None, error="RuntimeError: x"))
+    rows.append(sweep.SweepRow("broken", None, {"passkey": {}}, {}, {}, None, error="RuntimeError: x"))
     assert sweep.pareto_front(rows, 8) == {"dense", "a", "c"}
 
 
-def test_sweep_writes_table_plot_and_resumes(tiny, tokenizer, tmp_path):
+def test_sweep_writes_table_plot_and_resumes(tiny, tokenizer, tmp_path, one_thread):
     grid = [("sdpa", None), ("b16-k2", MobaConfig(block_size=16, top_k=2)), ("bad", MobaConfig(full_attn_layers=9))]
     text = torch.randint(0, len(tokenizer), (1, 96))
-    run = {"lengths": [80, 128], "trials": 2, "text_ids": text, "out_dir": tmp_path, "batch": 2, "progress": False}
+    run = {"lengths": [112, 128], "trials": 2, "text_ids": text, "out_dir": tmp_path, "batch": 2, "progress": False,
+           "families": ["prose-needle"]}  # fmt: skip
     rows = sweep.run_sweep(tiny, tokenizer, grid, **run)
     by_name = {r.name: r for r in rows}
     assert by_name["sdpa"].sparsity[128] == 0.0
@@ -53,7 +60,7 @@ def test_sweep_writes_table_plot_and_resumes(tiny, tokenizer, tmp_path):
     assert by_name["b16-k2"].sparsity[128] == pytest.approx(sum(expected) / len(expected))
     assert by_name["b16-k2"].ppl is not None and by_name["b16-k2"].error is None
     assert "full_attn_layers=9 exceeds" in by_name["bad"].error
-    assert {t["batch"] for t in trials if t.get("task") == "passkey"} == {2}  # both trials of a length in one forward
+    assert {t["batch"] for t in trials if "family" in t} == {2}  # both trials of a length in one forward
     table = (tmp_path / "pareto.md").read_text()
     assert "| b16-k2 |" in table and "failed: ValueError" in table
     sweep.pareto_plot(rows, 128, tmp_path / "pareto.png")
@@ -76,23 +83,25 @@ def test_sweep_writes_table_plot_and_resumes(tiny, tokenizer, tmp_path):
     assert [r["name"] for r in saved["rows"]] == ["b16-k2", "sdpa"]
 
 
-@pytest.mark.parametrize("change", [{"trials": 3}, {"lengths": [80]}, {"batch": 1}, {"text_ids": None}])
-def test_sweep_resume_refuses_other_parameters(tiny, tokenizer, tmp_path, change):
-    run = {"lengths": [80, 128], "trials": 1, "text_ids": torch.arange(64)[None], "out_dir": tmp_path, "batch": 2,
-           "progress": False}  # fmt: skip
+@pytest.mark.parametrize(
+    "change", [{"trials": 3}, {"lengths": [128]}, {"batch": 1}, {"text_ids": None}, {"families": ["passkey"]}]
+)
+def test_sweep_resume_refuses_other_parameters(tiny, tokenizer, tmp_path, change, one_thread):
+    run = {"lengths": [128, 160], "trials": 1, "text_ids": torch.arange(64)[None], "out_dir": tmp_path, "batch": 2,
+           "progress": False, "families": ["passkey", "kv-retrieval"]}  # fmt: skip
     sweep.run_sweep(tiny, tokenizer, [("sdpa", None)], **run)
     name = next(iter(change)).replace("text_ids", "ppl_sha1")
     with pytest.raises(RunMismatch, match=f"{name}=.*this run has {name}="):
         sweep.run_sweep(tiny, tokenizer, [("sdpa", None)], **{**run, **change})
 
 
-def test_sweep_command(tiny_dir, tmp_path, capsys):
+def test_sweep_command(tiny_dir, tmp_path, capsys, one_thread):
     text = tmp_path / "doc.txt"
     text.write_text("A long enough document for the perplexity column. " * 40)
     out = tmp_path / "sweep"
     argv = ["eval", "sweep", "--model", str(tiny_dir), "--attn", "sdpa", "--attn", "b16=moba:block_size=16,top_k=2",
-            "--lengths", "80", "--trials", "2", "--batch", "2", "--text", str(text), "--ppl-length", "96",
-            "--out", str(out), "--no-progress"]  # fmt: skip
+            "--lengths", "128", "--trials", "2", "--batch", "2", "--text", str(text), "--ppl-length", "96",
+            "--families", "passkey", "--out", str(out), "--no-progress"]  # fmt: skip
     assert cli.main(argv) == 0
     assert "| b16 |" in capsys.readouterr().out
     assert {p.name for p in out.iterdir()} >= {"run.json", "trials.jsonl", "results.json", "pareto.md", "pareto.png"}

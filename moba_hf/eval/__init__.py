@@ -16,6 +16,7 @@ import importlib
 from typing import Any
 
 _WHERE = {
+    "FAMILIES": "families",
     "niah_eval": "niah",
     "score_answer": "niah",
     "build_prompt": "passkey",

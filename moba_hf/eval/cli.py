@@ -77,6 +77,21 @@ def _grid(p: argparse.ArgumentParser, trials: int) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def _families_arg(text: str) -> list[str]:
+    from .families import parse_families
+
+    try:
+        return parse_families(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _families(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--families", type=_families_arg, metavar="LIST",
+                   help="prompt families, comma-separated: passkey (Landmark filler), prose-needle (a fact in real "
+                   f"prose), kv-retrieval (one record of a key-value list); default: {default}")  # fmt: skip
+
+
 def _sparsity(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-sparsity", action="store_true", help="do not measure sparsity (saves the gate recompute)")
 
@@ -91,6 +106,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     _common(p, "passkey", "1K,2K")
     _grid(p, 3)
     _sparsity(p)
+    _families(p, "none: the fixed Landmark passkey prompt")
     p.add_argument("--max-new-tokens", type=positive_int, default=8)
     p.set_defaults(func=_run_passkey, prog=p.prog)
 
@@ -118,8 +134,11 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                    help="sliding mode: tokens scored per document (default: longest L)")  # fmt: skip
     p.set_defaults(func=_run_ppl, prog=p.prog)
 
-    p = tasks.add_parser("sweep", help="training-free sweep: passkey + perplexity vs measured sparsity (Pareto table)")
+    p = tasks.add_parser(
+        "sweep", help="training-free sweep: retrieval on several prompt families + perplexity vs measured sparsity"
+    )
     _common(p, "sweep", "2048,4096,8000", default_settings="sdpa and the whole grid")
+    _families(p, "passkey,prose-needle,kv-retrieval")
     p.add_argument("--trials", type=positive_int, default=20, help="trials per length (depths spread evenly)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=positive_int, default=5, help="trials per forward pass (default 5)")
@@ -195,19 +214,23 @@ def _run(args: argparse.Namespace, tokenizer: Any, evaluate: Any) -> int:
 
 
 def _run_passkey(args: argparse.Namespace) -> int:
+    from . import families
     from .passkey import check_fits, passkey_eval
 
     settings = _check(args)
     tokenizer = load_tokenizer(args.model)
     try:
-        check_fits(tokenizer, args.lengths)
+        if args.families is None:
+            check_fits(tokenizer, args.lengths)
+        else:
+            families.check_fits(tokenizer, args.families, args.lengths)
     except ValueError as error:
         raise UsageError(f"--lengths: {error}") from None
 
     def evaluate(model: Any, tokenizer: Any, common: dict[str, Any]) -> Any:
         return passkey_eval(model, tokenizer, settings, args.lengths, args.depths, args.trials, args.out,
                             seed=args.seed, max_new_tokens=args.max_new_tokens, track=not args.no_sparsity,
-                            **common)  # fmt: skip
+                            families=args.families, **common)  # fmt: skip
 
     return _run(args, tokenizer, evaluate)
 
@@ -274,6 +297,7 @@ def _sweep_grid(args: argparse.Namespace) -> list[Any]:
 def _run_sweep(args: argparse.Namespace) -> int:
     import torch
 
+    from .families import ALL, check_fits
     from .runner import RunMismatch
     from .sweep import default_text, pareto_plot, pareto_table, run_sweep
 
@@ -286,10 +310,9 @@ def _run_sweep(args: argparse.Namespace) -> int:
     documents = _texts(args)
     tokenizer = load_tokenizer(args.model)
     ppl_length = args.ppl_length
+    families = args.families or list(ALL)
     try:
-        from .passkey import check_fits
-
-        check_fits(tokenizer, args.lengths)
+        check_fits(tokenizer, families, args.lengths)
         if documents is None:
             text_ids = default_text(tokenizer, ppl_length)
         else:
@@ -302,11 +325,11 @@ def _run_sweep(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, tokenizer=tokenizer)
     try:
         rows = run_sweep(model, tokenizer, grid, lengths=args.lengths, trials=args.trials, text_ids=text_ids,
-                         out_dir=args.out, batch=args.batch, seed=args.seed, model_name=args.model,
-                         progress=not args.no_progress)  # fmt: skip
+                         families=families, out_dir=args.out, batch=args.batch, seed=args.seed,
+                         model_name=args.model, progress=not args.no_progress)  # fmt: skip
     except RunMismatch as error:
         raise UsageError(str(error)) from None
-    print(pareto_table(rows, args.lengths))
+    print(pareto_table(rows, args.lengths, families))
     pareto_plot(rows, max(args.lengths), check_out(args.out) / "pareto.png")
     failed = [r.name for r in rows if r.error]
     if failed:

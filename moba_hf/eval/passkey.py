@@ -31,31 +31,46 @@ INTRO = (
 )
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 QUESTION = "What is the pass key? The pass key is"
+# (key line with {key}, question): wording 0 is Landmark's, the prompt of `eval passkey`; the `passkey` prompt
+# family (families.py) draws one per trial. 1-3 are not among the training mixture's wordings (train/synthetic.py).
+WORDINGS = (
+    ("The pass key is {key}. Remember it. {key} is the pass key.", QUESTION),
+    ("Write down the vault combination: {key}. The vault combination is {key}.",
+     "What is the vault combination? The vault combination is"),
+    ("Here is the number to remember, {key}. Again, the number to remember is {key}.",
+     "What is the number to remember? The number to remember is"),
+    ("The door code of the archive is {key}. {key} opens the archive door.",
+     "What is the door code of the archive? The door code of the archive is"),
+)  # fmt: skip
 
 
-def passkey_line(passkey: int) -> str:
-    return f"The pass key is {passkey}. Remember it. {passkey} is the pass key."
+def passkey_line(passkey: int, wording: int = 0) -> str:
+    return WORDINGS[wording][0].format(key=passkey)
 
 
-def build_prompt(tokenizer: Any, length: int, depth: float, passkey: int) -> str:
-    """A prompt of about `length` tokens (never more) with the passkey line at fractional `depth`."""
+def build_prompt(tokenizer: Any, length: int, depth: float, passkey: int, *, wording: int = 0) -> str:
+    """A prompt of `length` tokens or fewer (by less than one filler, about 20 tokens) with the passkey line
+    after round(depth * fillers) of the filler sentences; `wording` indexes WORDINGS."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
+    if not 0 <= wording < len(WORDINGS):
+        raise ValueError(f"wording must be in [0, {len(WORDINGS) - 1}], got {wording}")
 
     def n_tokens(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False).input_ids)
 
-    fixed = n_tokens(" ".join([INTRO, passkey_line(passkey), QUESTION]))
+    fixed = n_tokens(_assemble(0, depth, passkey, wording))
     per_filler = n_tokens(" ".join([FILLER] * 20)) / 20
     n_filler = max(0, int((length - fixed) / per_filler))
-    while n_filler > 0 and n_tokens(_assemble(n_filler, depth, passkey)) > length:
+    while n_filler > 0 and n_tokens(_assemble(n_filler, depth, passkey, wording)) > length:
         n_filler -= 1
-    return _assemble(n_filler, depth, passkey)
+    return _assemble(n_filler, depth, passkey, wording)
 
 
-def _assemble(n_filler: int, depth: float, passkey: int) -> str:
+def _assemble(n_filler: int, depth: float, passkey: int, wording: int = 0) -> str:
     before = round(n_filler * depth)
-    parts = [INTRO, *[FILLER] * before, passkey_line(passkey), *[FILLER] * (n_filler - before), QUESTION]
+    line, question = passkey_line(passkey, wording), WORDINGS[wording][1]
+    parts = [INTRO, *[FILLER] * before, line, *[FILLER] * (n_filler - before), question]
     return " ".join(parts)
 
 
@@ -151,15 +166,23 @@ def passkey_eval(
     model_name: str | None = None,
     progress: bool = True,
     track: bool = True,
+    families: Sequence[str] | str | None = None,
 ) -> EvalResult:
     """Passkey accuracy, prefill time and measured sparsity for each setting on the lengths x depths grid.
 
     settings: e.g. ["sdpa", "moba:paper-8k", ("fine", MobaConfig(block_size=64, top_k=16))];
     (name, None) means dense sdpa. The one `model` is switched between settings with apply / revert.
-    Re-running with the same out_dir skips finished trials.
+    families: prompt families (`families.FAMILIES`, e.g. "passkey,prose-needle,kv-retrieval") run on the same
+    grid instead of the fixed Landmark prompt, reported side by side. Re-running with the same out_dir skips
+    finished trials.
     """
     settings = resolve_settings(settings)
     lengths, depths = check_grid(lengths, depths, trials)
+    if families is not None:
+        return _families_eval(
+            model, tokenizer, settings, lengths, depths, trials, out_dir, families, seed=seed,
+            max_new_tokens=max_new_tokens, model_name=model_name, progress=progress, track=track,
+        )  # fmt: skip
     check_fits(tokenizer, lengths)
     params = {"lengths": lengths, "depths": depths, "trials": trials, "seed": seed, "max_new_tokens": max_new_tokens}
     store = ResultStore(out_dir, "passkey", params, model_info(model, model_name))
@@ -186,6 +209,62 @@ def passkey_eval(
     cells = [{"length": n, "depth": d, "trial": i} for n in lengths for d in depths for i in range(trials)]
     run_grid(model, settings, cells, run_cell, store, progress=progress, desc="passkey")
     return finish_grid_eval(store, settings, lengths, depths, "passkey", "passkey retrieval")
+
+
+def _families_eval(
+    model: Any,
+    tokenizer: Any,
+    settings: Sequence[Any],
+    lengths: list[int],
+    depths: list[float],
+    trials: int,
+    out_dir: str | Path,
+    families: Sequence[str] | str,
+    *,
+    seed: int,
+    max_new_tokens: int,
+    model_name: str | None,
+    progress: bool,
+    track: bool,
+) -> EvalResult:
+    """The passkey grid over prompt families: cells keyed by family too; a family decodes at least its
+    answer's `new_tokens`."""
+    from .families import FAMILIES, check_fits, parse_families, text_params
+    from .report import family_table
+
+    families = parse_families(families)
+    check_fits(tokenizer, families, lengths)
+    params = {"lengths": lengths, "depths": depths, "trials": trials, "seed": seed, "max_new_tokens": max_new_tokens,
+              "families": families, **text_params(families)}  # fmt: skip
+    store = ResultStore(out_dir, "passkey", params, model_info(model, model_name))
+
+    def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
+        family = FAMILIES[cell["family"]]
+        prompt = family.prompt(tokenizer, seed, cell["length"], cell["depth"], cell["trial"])
+        ids = torch.tensor([prompt.ids], device=model.device)
+        new_tokens = max(max_new_tokens, family.new_tokens)
+        decoded = greedy_decode(model, ids, new_tokens, track=track, eos_token_id=tokenizer.eos_token_id)
+        text = tokenizer.decode(decoded.tokens, skip_special_tokens=True)
+        got, correct = family.score(prompt.expected, text)
+        return {
+            "expected": prompt.expected, "got": got, "correct": correct, "output": text,
+            "prompt_tokens": ids.shape[1], "needle_token": prompt.needle_token, **decoded.measurements(),
+        }  # fmt: skip
+
+    cells = [{"family": f, "length": n, "depth": d, "trial": i}
+             for f in families for n in lengths for d in depths for i in range(trials)]  # fmt: skip
+    run_grid(model, settings, cells, run_cell, store, progress=progress, desc="passkey")
+    names = [s.name for s in settings]
+    records = store.records(settings)
+    summary = family_table(records, names, families, lengths, failures=store.failures,
+                           title=f"retrieval by prompt family, {store.model['name']}")  # fmt: skip
+    files = [store.write(settings, summary), store.out_dir / "summary.md"]
+    for family in families:
+        png = heatmap([r for r in records if r["family"] == family], names, lengths, depths,
+                      store.out_dir / f"{family}_heatmap.png", title=f"{family}: {store.model['name']}",
+                      failures=store.failures)  # fmt: skip
+        files += [png] if png else []
+    return EvalResult("passkey", store.out_dir, list(settings), records, dict(store.failures), summary, files)
 
 
 def finish_grid_eval(

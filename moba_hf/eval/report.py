@@ -93,6 +93,40 @@ def summary_table(
     return "\n".join(lines) + "\n"
 
 
+def family_table(
+    records: Sequence[dict[str, Any]],
+    settings: Sequence[str],
+    families: Sequence[str],
+    lengths: Sequence[int],
+    *,
+    failures: dict[str, str] | None = None,
+    title: str = "",
+) -> str:
+    """Markdown, one row per setting: accuracy of every prompt family at every length side by side, the worst
+    family and the measured sparsity at the longest length."""
+    cells = aggregate([r for r in records if "family" in r], ("setting", "family", "length"))
+    sparsity = aggregate([r for r in records if "family" in r], ("setting", "length"))
+    longest = max(lengths)
+    failures = failures or {}
+    head = ["setting", *[f"{f} @{n}" for f in families for n in lengths], f"worst family @{longest}",
+            f"sparsity @{longest}"]  # fmt: skip
+    lines = ([f"### {title}", ""] if title else []) + ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in settings:
+        row = [f"`{name}`" + (" (failed)" if name in failures else "")]
+        for f in families:
+            for n in lengths:
+                cell = cells.get((name, f, n))
+                row.append("—" if cell is None else f"{cell['accuracy']:.2f} ({cell['correct']}/{cell['n']})")
+        at_longest = [(cells[(name, f, longest)]["accuracy"], f) for f in families if (name, f, longest) in cells]
+        worst = min(at_longest, key=lambda a: a[0]) if len(at_longest) == len(families) else None
+        row.append("—" if worst is None else f"{worst[0]:.2f} ({worst[1]})")
+        row.append(_fmt(sparsity.get((name, longest), {}).get("sparsity"), ".3f"))
+        lines.append("| " + " | ".join(row) + " |")
+    if failures:
+        lines += ["", "Failed settings:"] + [f"- `{name}`: {error}" for name, error in failures.items()]
+    return "\n".join(lines) + "\n"
+
+
 def _pyplot():
     try:
         import matplotlib

@@ -1,8 +1,11 @@
-"""Training-free sweep: passkey accuracy and perplexity against measured sparsity, over many MoBA settings.
+"""Training-free sweep: retrieval accuracy on several prompt families and perplexity, against measured sparsity,
+over many MoBA settings.
 
 The grid runs through the same results store and grid loop as every evaluation (`runner.run_grid`: one
-resume rule), with the passkey task's prompts; trials of one length go through the model in batches of
-equal-length prompts (no padding), which makes dozens of settings affordable on one GPU.
+resume rule), with the prompts of `families.FAMILIES` (passkey, prose-needle, kv-retrieval); trials of one
+family and length go through the model in batches of equal-length prompts (no padding), which makes dozens
+of settings affordable on one GPU. Settings are ranked, and the Pareto front drawn, on the accuracy of their
+worst family: a preset must hold on every kind of text, not on the one it was tuned on.
 Output: run.json, trials.jsonl, results.json (with one row per setting), pareto.md, pareto.png.
 """
 
@@ -19,13 +22,11 @@ from typing import Any
 import torch
 
 from ..config import MobaConfig
-from .passkey import cell_prompt, check_fits, score
+from .families import FAMILIES, Prompt, check_fits, parse_families, text_params
 from .ppl import window_nll
 from .report import _pyplot, save_figure
 from .runner import ResultStore, atomic_write_text, greedy_decode, model_info, run_grid
 from .settings import MOBA, SWEEP_GRID, Setting, parse_setting
-
-NEW_TOKENS = 6
 
 # (name, MobaConfig or None for dense): dense attention, then the named settings of `settings.SWEEP_GRID`
 DEFAULT_GRID: list[tuple[str, MobaConfig | None]] = [("sdpa", None), *SWEEP_GRID.items()]
@@ -35,17 +36,30 @@ DEFAULT_GRID: list[tuple[str, MobaConfig | None]] = [("sdpa", None), *SWEEP_GRID
 class SweepRow:
     name: str
     config: dict[str, Any] | None
-    accuracy: dict[int, float]
-    sparsity: dict[int, float]
-    prefill_seconds: dict[int, float]
+    accuracy: dict[str, dict[int, float]]  # family -> length -> accuracy
+    sparsity: dict[int, float]  # length -> mean measured sparsity over every family's trials
+    prefill_seconds: dict[int, float]  # length -> median prefill seconds per trial
     ppl: float | None
     error: str | None = None
+    worst: dict[int, float] = dataclasses.field(default_factory=dict)  # length -> lowest family accuracy
+    worst_family: dict[int, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        lengths = {n for by_length in self.accuracy.values() for n in by_length}
+        for n in lengths:
+            if n not in self.worst and all(n in by_length for by_length in self.accuracy.values()):
+                family = min(self.accuracy, key=lambda f: self.accuracy[f][n])  # first family wins a tie
+                self.worst[n], self.worst_family[n] = self.accuracy[family][n], family
 
 
-def sweep_cells(lengths: Sequence[int], trials: int, ppl_tokens: int | None) -> list[dict[str, Any]]:
-    """Passkey cells (depths spread evenly over the trials) and, with a text, one perplexity cell."""
+def sweep_cells(
+    lengths: Sequence[int], trials: int, ppl_tokens: int | None, families: Sequence[str] = ("passkey",)
+) -> list[dict[str, Any]]:
+    """Retrieval cells of every family (depths spread evenly over the trials) and, with a text, one
+    perplexity cell."""
     cells: list[dict[str, Any]] = [
-        {"task": "passkey", "length": n, "depth": (i + 0.5) / trials, "trial": i}
+        {"family": f, "length": n, "depth": (i + 0.5) / trials, "trial": i}
+        for f in families
         for n in lengths
         for i in range(trials)
     ]
@@ -62,103 +76,117 @@ def run_sweep(
     lengths: Sequence[int],
     trials: int,
     text_ids: torch.Tensor | None,
+    families: Sequence[str] | str | None = None,
     out_dir: str | Path = "runs/sweep",
     batch: int = 5,
     seed: int = 0,
     model_name: str | None = None,
     progress: bool = True,
 ) -> list[SweepRow]:
-    """Passkey accuracy per length and perplexity of `text_ids` [1, T] for every setting of `grid`.
+    """Accuracy per prompt family and length, and perplexity of `text_ids` [1, T], for every setting of `grid`.
 
-    Re-running with the same out_dir skips finished trials; other lengths, trials, batch, seed or text
-    there are refused (`runner.RunMismatch`).
+    families: names of `families.FAMILIES` (default: all). Re-running with the same out_dir skips finished
+    trials; other lengths, trials, batch, seed, families or text there are refused (`runner.RunMismatch`).
     """
     settings = [parse_setting(g) for g in grid]
     for setting in settings:
         if setting.attn not in ("sdpa", MOBA):
             raise ValueError(f"the sweep compares 'sdpa' with MoBA settings; got attn_implementation {setting.attn!r}")
+    families = parse_families(families)
     lengths = sorted({int(n) for n in lengths})
     if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
         raise ValueError(f"trials must be an integer >= 1, got {trials!r}")
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
-    check_fits(tokenizer, lengths)
+    check_fits(tokenizer, families, lengths)
     ppl_tokens = None if text_ids is None else int(text_ids.shape[1])
     params = {
-        "lengths": lengths, "trials": trials, "seed": seed, "batch": batch, "new_tokens": NEW_TOKENS,
+        "lengths": lengths, "trials": trials, "seed": seed, "batch": batch, "families": families,
+        "new_tokens": {f: FAMILIES[f].new_tokens for f in families}, **text_params(families),
         "ppl_tokens": ppl_tokens,
         "ppl_sha1": None if text_ids is None else hashlib.sha1(str(text_ids.tolist()).encode()).hexdigest()[:16],
     }  # fmt: skip
     store = ResultStore(out_dir, "sweep", params, model_info(model, model_name))
     device = next(model.parameters()).device
-    built: dict[tuple, tuple[list[int], int]] = {}  # prompts are built once, shared by every setting
+    built: dict[tuple, Prompt] = {}  # prompts are built once, shared by every setting
 
-    def prompt(cell: dict[str, Any]) -> tuple[list[int], int]:
-        key = (cell["length"], cell["depth"], cell["trial"])
+    def prompt(cell: dict[str, Any]) -> Prompt:
+        key = (cell["family"], cell["length"], cell["depth"], cell["trial"])
         if key not in built:
-            built[key] = cell_prompt(tokenizer, seed, *key)
+            built[key] = FAMILIES[key[0]].prompt(tokenizer, seed, *key[1:])
         return built[key]
 
     def run_batch(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        if cells[0]["task"] == "ppl":
+        if cells[0].get("task") == "ppl":
             return [window_nll(model, text_ids.to(device), 1)]
+        family = FAMILIES[cells[0]["family"]]
         prompts = [prompt(c) for c in cells]
         records: list[dict[str, Any] | None] = [None] * len(cells)
-        by_tokens: dict[int, list[int]] = {}  # whole-sentence prompts of one length are nearly always equal
-        for i, (ids, _) in enumerate(prompts):
-            by_tokens.setdefault(len(ids), []).append(i)
+        by_tokens: dict[int, list[int]] = {}  # only prompts of equal token count share a forward
+        for i, p in enumerate(prompts):
+            by_tokens.setdefault(len(p.ids), []).append(i)
         for n, rows in by_tokens.items():
-            ids = torch.tensor([prompts[i][0] for i in rows], device=device)
-            decoded = greedy_decode(model, ids, NEW_TOKENS)
+            ids = torch.tensor([prompts[i].ids for i in rows], device=device)
+            decoded = greedy_decode(model, ids, family.new_tokens)
             for i, tokens in zip(rows, decoded.rows, strict=True):
                 text = tokenizer.decode(tokens, skip_special_tokens=True)
-                got, correct = score(prompts[i][1], text)
+                got, correct = family.score(prompts[i].expected, text)
                 records[i] = {
-                    "expected": prompts[i][1], "got": got, "correct": correct, "output": text, "prompt_tokens": n,
+                    "expected": prompts[i].expected, "got": got, "correct": correct, "output": text,
+                    "prompt_tokens": n, "needle_token": prompts[i].needle_token,
                     "prefill_seconds": decoded.prefill_seconds / len(rows), "batch": len(rows),
                     "sparsity": decoded.sparsity,
                 }  # fmt: skip
         return records
 
-    cells = sweep_cells(lengths, trials, ppl_tokens)
+    cells = sweep_cells(lengths, trials, ppl_tokens, families)
     run_grid(model, settings, cells, None, store, progress=progress, desc="sweep", run_batch=run_batch,
-             batch_size=batch, batch_key=lambda c: (c["task"], c["length"]))  # fmt: skip
-    rows = sweep_rows(store.records(settings), settings, store.failures, lengths)
-    store.write(settings, pareto_table(rows, lengths), extra={"rows": [dataclasses.asdict(r) for r in rows]})
-    atomic_write_text(store.out_dir / "pareto.md", pareto_table(rows, lengths))
+             batch_size=batch, batch_key=lambda c: (c.get("family", c.get("task")), c["length"]))  # fmt: skip
+    rows = sweep_rows(store.records(settings), settings, store.failures, lengths, families)
+    table = pareto_table(rows, lengths, families)
+    store.write(settings, table, extra={"rows": [dataclasses.asdict(r) for r in rows]})
+    atomic_write_text(store.out_dir / "pareto.md", table)
     return rows
 
 
 def sweep_rows(
-    records: Sequence[dict[str, Any]], settings: Sequence[Setting], failures: dict[str, str], lengths: Sequence[int]
+    records: Sequence[dict[str, Any]],
+    settings: Sequence[Setting],
+    failures: dict[str, str],
+    lengths: Sequence[int],
+    families: Sequence[str],
 ) -> list[SweepRow]:
-    """One row per setting: accuracy, mean sparsity and median prefill seconds per trial at each length, ppl."""
+    """One row per setting: accuracy per family and length, mean sparsity and median prefill seconds per
+    trial at each length (over all families), perplexity."""
     rows = []
     for setting in settings:
         mine = [r for r in records if r["setting"] == setting.name]
-        row = SweepRow(setting.name, setting.moba.to_dict() if setting.moba else None, {}, {}, {}, None,
-                       failures.get(setting.name))  # fmt: skip
+        accuracy: dict[str, dict[int, float]] = {f: {} for f in families}
+        sparsity, prefill = {}, {}
         for n in lengths:
-            trials = [r for r in mine if r["task"] == "passkey" and r["length"] == n]
-            if trials:
-                row.accuracy[n] = sum(r["correct"] for r in trials) / len(trials)
-                row.sparsity[n] = statistics.fmean(r["sparsity"] for r in trials)
-                row.prefill_seconds[n] = statistics.median(r["prefill_seconds"] for r in trials)
-        ppl = [r for r in mine if r["task"] == "ppl"]
-        if ppl:
-            row.ppl = math.exp(sum(r["nll_sum"] for r in ppl) / sum(r["tokens_scored"] for r in ppl))
-        rows.append(row)
+            at_n = [r for r in mine if r.get("family") in accuracy and r["length"] == n]
+            for f in families:
+                trials = [r for r in at_n if r["family"] == f]
+                if trials:
+                    accuracy[f][n] = sum(r["correct"] for r in trials) / len(trials)
+            if at_n:
+                sparsity[n] = statistics.fmean(r["sparsity"] for r in at_n)
+                prefill[n] = statistics.median(r["prefill_seconds"] for r in at_n)
+        ppl = [r for r in mine if r.get("task") == "ppl"]
+        ppl_value = math.exp(sum(r["nll_sum"] for r in ppl) / sum(r["tokens_scored"] for r in ppl)) if ppl else None
+        config = setting.moba.to_dict() if setting.moba else None
+        rows.append(SweepRow(setting.name, config, accuracy, sparsity, prefill, ppl_value, failures.get(setting.name)))
     return rows
 
 
 def pareto_front(rows: Sequence[SweepRow], length: int) -> set[str]:
-    """Settings no other setting beats on both accuracy and sparsity at `length`."""
-    ok = [r for r in rows if r.error is None and length in r.accuracy]
+    """Settings no other setting beats on both worst-family accuracy and sparsity at `length`."""
+    ok = [r for r in rows if r.error is None and length in r.worst and length in r.sparsity]
     front = set()
     for r in ok:
-        a, s = r.accuracy[length], r.sparsity[length]
+        a, s = r.worst[length], r.sparsity[length]
         dominated = any(
-            o.accuracy[length] >= a and o.sparsity[length] >= s and (o.accuracy[length], o.sparsity[length]) != (a, s)
+            o.worst[length] >= a and o.sparsity[length] >= s and (o.worst[length], o.sparsity[length]) != (a, s)
             for o in ok
         )
         if not dominated:
@@ -166,44 +194,70 @@ def pareto_front(rows: Sequence[SweepRow], length: int) -> set[str]:
     return front
 
 
-def pareto_table(rows: Sequence[SweepRow], lengths: Sequence[int]) -> str:
+def ranking(rows: Sequence[SweepRow], length: int) -> list[str]:
+    """Settings that ran at `length`, best first: worst-family accuracy, then sparsity, both descending."""
+    ok = [r for r in rows if r.error is None and length in r.worst and length in r.sparsity]
+    return [r.name for r in sorted(ok, key=lambda r: (-r.worst[length], -r.sparsity[length]))]
+
+
+def _short(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def pareto_table(rows: Sequence[SweepRow], lengths: Sequence[int], families: Sequence[str] | None = None) -> str:
+    """Markdown, one row per setting: accuracy of every family at every length side by side, the worst family
+    (which ranks the settings), measured sparsity, prefill, perplexity, rank and Pareto front at the longest
+    length."""
+    families = list(families or dict.fromkeys(f for r in rows for f in r.accuracy))
     top = max(lengths)
-    front = pareto_front(rows, top)
-    head = ["setting", *[f"passkey {n // 1024}K" if n % 1024 == 0 else f"passkey {n}" for n in lengths]]
-    head += [f"sparsity @{top}", f"prefill s/trial @{top}", "ppl", "Pareto"]
+    front, order = pareto_front(rows, top), ranking(rows, top)
+    head = ["setting", *[f"{f} {_short(n)}" for f in families for n in lengths]]
+    head += [f"worst family @{_short(top)}", f"sparsity @{_short(top)}", f"prefill s/trial @{_short(top)}", "ppl",
+             "rank", "Pareto"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    nan = float("nan")
     for r in rows:
         if r.error:
             lines.append(f"| {r.name} | failed: {r.error[:80]} |")
             continue
-        cells = [r.name, *[f"{r.accuracy.get(n, float('nan')):.2f}" for n in lengths]]
-        cells += [f"{r.sparsity.get(top, 0):.2f}", f"{r.prefill_seconds.get(top, float('nan')):.3f}"]
-        cells += [f"{r.ppl:.2f}" if r.ppl else "-", "*" if r.name in front else ""]
+        cells = [r.name, *[f"{r.accuracy.get(f, {}).get(n, nan):.2f}" for f in families for n in lengths]]
+        cells.append(f"{r.worst[top]:.2f} ({r.worst_family[top]})" if top in r.worst else "-")
+        cells += [f"{r.sparsity.get(top, 0):.2f}", f"{r.prefill_seconds.get(top, nan):.3f}"]
+        cells += [f"{r.ppl:.2f}" if r.ppl else "-", str(order.index(r.name) + 1) if r.name in order else "-"]
+        cells.append("*" if r.name in front else "")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
+_MARKERS = ("o", "s", "^", "D", "v", "P")
+
+
 def pareto_plot(rows: Sequence[SweepRow], length: int, path: str | Path) -> Path | None:
-    """Accuracy against measured sparsity at `length`, the Pareto front in red (None without matplotlib)."""
+    """Accuracy against measured sparsity at `length`: one marker per family, the worst family as a black
+    cross, the worst-family Pareto front in red (None without matplotlib)."""
     plt = _pyplot()
     if plt is None:
         return None
 
-    ok = [r for r in rows if r.error is None and length in r.accuracy]
+    ok = [r for r in rows if r.error is None and length in r.worst and length in r.sparsity]
     front = sorted((r for r in ok if r.name in pareto_front(ok, length)), key=lambda r: r.sparsity[length])
+    families = list(dict.fromkeys(f for r in ok for f in r.accuracy))
     fig, ax = plt.subplots(figsize=(8, 5))
-    ax.scatter([r.sparsity[length] for r in ok], [r.accuracy[length] for r in ok], color="tab:blue")
+    for family, marker in zip(families, _MARKERS * 2, strict=False):
+        mine = [r for r in ok if length in r.accuracy.get(family, {})]
+        ax.scatter([r.sparsity[length] for r in mine], [r.accuracy[family][length] for r in mine], marker=marker,
+                   alpha=0.6, label=family)  # fmt: skip
+    ax.scatter([r.sparsity[length] for r in ok], [r.worst[length] for r in ok], marker="x", color="black",
+               label="worst family")  # fmt: skip
     for r in ok:
-        ax.annotate(
-            r.name, (r.sparsity[length], r.accuracy[length]), fontsize=7, xytext=(3, 3), textcoords="offset points"
-        )
-    ax.plot(
-        [r.sparsity[length] for r in front], [r.accuracy[length] for r in front], color="tab:red", label="Pareto front"
-    )
+        point = (r.sparsity[length], r.worst[length])
+        ax.annotate(r.name, point, fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.plot([r.sparsity[length] for r in front], [r.worst[length] for r in front], color="tab:red",
+            label="Pareto front (worst family)")  # fmt: skip
     ax.set_xlabel(f"measured sparsity at {length} tokens (fraction of causal pairs skipped, all layers)")
-    ax.set_ylabel(f"passkey accuracy at {length} tokens")
+    ax.set_ylabel(f"retrieval accuracy at {length} tokens")
     ax.set_ylim(-0.05, 1.05)
-    ax.legend()
+    ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     save_figure(fig, path)
@@ -213,34 +267,9 @@ def pareto_plot(rows: Sequence[SweepRow], length: int, path: str | Path) -> Path
 
 def default_text(tokenizer: Any, length: int) -> torch.Tensor:
     """Offline long English text for perplexity: the docstrings of Python's standard library."""
-    import importlib
-    import inspect
+    from .texts import stdlib_docstrings
 
-    parts = []
-    for name in (
-        "argparse",
-        "collections",
-        "functools",
-        "inspect",
-        "json",
-        "logging",
-        "pathlib",
-        "re",
-        "typing",
-        "unittest",
-        "email",
-        "http.client",
-        "asyncio",
-        "subprocess",
-        "threading",
-        "decimal",
-        "textwrap",
-    ):
-        module = importlib.import_module(name)
-        parts.append(inspect.getdoc(module) or "")
-        for _, obj in inspect.getmembers(module):
-            if (inspect.isclass(obj) or inspect.isfunction(obj)) and getattr(obj, "__module__", "") == module.__name__:
-                parts.append(inspect.getdoc(obj) or "")
+    parts = stdlib_docstrings()
     ids = tokenizer("\n\n".join(p for p in parts if p), add_special_tokens=False).input_ids
     if len(ids) < length:
         raise ValueError(

@@ -3,8 +3,11 @@ generated offline default (deterministic, varied prose-like sentences; no downlo
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import random
+import re
 from pathlib import Path
 
 logger = logging.getLogger("moba_hf")
@@ -105,3 +108,55 @@ def load_texts(
     if not docs:
         raise ValueError(f"text source {path} holds no text")
     return docs[:max_docs] if max_docs else docs
+
+
+# modules whose docstrings make the offline long text (the sweep's perplexity text, the prose-needle haystack)
+STDLIB_MODULES = (
+    "argparse", "collections", "functools", "inspect", "json", "logging", "pathlib", "re", "typing", "unittest",
+    "email", "http.client", "asyncio", "subprocess", "threading", "decimal", "textwrap",
+)  # fmt: skip
+
+_CODE_LINE = re.compile(r"^\s*(>>>|\.\.\.|[$%]|[-=*~^]{3,})|^\s{2,}\S")
+_PROSE_SENTENCE = re.compile(r"^[A-Z][A-Za-z0-9 ,;:'\"()/\-]+[a-z)][.!?]$")
+
+
+def stdlib_docstrings() -> list[str]:
+    """The docstrings of STDLIB_MODULES, their classes and functions (ships with Python: no download)."""
+    import importlib
+    import inspect
+
+    parts = []
+    for name in STDLIB_MODULES:
+        module = importlib.import_module(name)
+        parts.append(inspect.getdoc(module) or "")
+        for _, obj in inspect.getmembers(module):
+            if (inspect.isclass(obj) or inspect.isfunction(obj)) and getattr(obj, "__module__", "") == module.__name__:
+                parts.append(inspect.getdoc(obj) or "")
+    return [p for p in parts if p]
+
+
+def reference_manual() -> list[str]:
+    """The sections of the Python reference manual that pydoc ships (`pydoc_data.topics`; no download)."""
+    from pydoc_data.topics import topics
+
+    return [topics[name] for name in sorted(topics)]
+
+
+@functools.lru_cache(maxsize=1)
+def prose_sentences() -> tuple[str, ...]:
+    """Distinct plain-English sentences of Python's reference manual and `stdlib_docstrings()`: paragraphs
+    without code lines, split at sentence ends, kept when 6 to 40 words of letters, digits and light
+    punctuation. The text depends on the Python version; `prose_digest()` names it."""
+    seen: dict[str, None] = {}
+    for doc in [*reference_manual(), *stdlib_docstrings()]:
+        for paragraph in doc.split("\n\n"):
+            if any(_CODE_LINE.match(line) for line in paragraph.splitlines()):
+                continue
+            for sentence in re.split(r"(?<=[.!?])\s+", " ".join(paragraph.replace("*", "").split())):
+                if 6 <= sentence.count(" ") + 1 <= 40 and _PROSE_SENTENCE.match(sentence):
+                    seen.setdefault(sentence)
+    return tuple(seen)
+
+
+def prose_digest() -> str:
+    return hashlib.sha1("\n".join(prose_sentences()).encode()).hexdigest()[:16]

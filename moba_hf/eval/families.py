@@ -1,0 +1,296 @@
+"""Prompt families: one retrieval question (find a fact hidden in a long context and say it) asked over
+different kinds of text, so that a setting is judged on its worst family rather than on one prompt's quirks.
+
+    family         context                                       needles (wording drawn per trial)        answer
+    passkey        Landmark filler "The grass is green. ..."     "The pass key is 48213. Remember it..."  4-7 digits
+    prose-needle   sentences of Python's reference manual and    "Mira Okafor's favourite city is Oslo."  a word, two
+                   stdlib docstrings (offline, texts.py)                                                  words, a year
+    kv-retrieval   generated story sentences                     3 "Aiko Tanaka's locker code is 481207."  6 digits, hex
+                   (texts.generated_text)                        with distinct names; one is asked for    code, 2 words
+
+    [special tokens] [intro] [context ... NEEDLE ... context] [question]   -> greedy continuation, scored
+
+A list of hundreds of "key: value" records (8-hex-digit, 4-digit or word keys) was tried for kv-retrieval:
+dense SmolLM2-135M answered none at 512 tokens, so it could not tell settings apart; three key-value needles
+among story sentences keep the distractor difficulty at a level dense attention solves.
+
+Every trial draws the intro, needle wording, question, answer format and answer from
+random.Random(f"{family}:{seed}:{length}:{depth}:{trial}"): every setting sees the same prompts (a paired
+comparison), and so does every re-run.
+
+Length (special tokens included): prose-needle and kv-retrieval prompts are exactly `length` tokens (the
+context is cut at a token, so its last sentence may end early); passkey prompts hold whole filler sentences
+(passkey.py's builder), so they are `length` tokens or fewer, by less than one filler (under 32 tokens).
+Depth: the (asked) needle goes after round(depth * n) of the n fillers (passkey) or at the sentence boundary
+nearest depth x the context's tokens: depth 0 is right after the intro, 1 right before the question.
+Scoring (all families): the continuation's first words must be the answer's words, compared lower-cased
+with punctuation and whitespace runs read as one space ("  Oslo." matches "oslo"; "12345" does not match
+"1234").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import random
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import passkey as _passkey
+from .texts import generated_text, prose_digest, prose_sentences
+
+NAMES = (
+    "Mira Okafor", "Tomas Lindqvist", "Aiko Tanaka", "Rafael Moreno", "Ingrid Halvorsen", "Kwame Mensah",
+    "Lucia Ferraro", "Dmitri Volkov", "Priya Raman", "Owen Gallagher", "Sofia Marquez", "Henrik Bauer",
+)  # fmt: skip
+_CITIES = ("Lisbon", "Kyoto", "Nairobi", "Montreal", "Oslo", "Lima", "Hanoi", "Porto", "Dublin", "Seville")
+_SPICES = ("saffron", "cardamom", "nutmeg", "tamarind", "fennel", "juniper", "sumac", "lemongrass", "turmeric")
+_ADJECTIVES = ("silver", "quiet", "amber", "crimson", "northern", "velvet", "hollow", "golden", "lucky", "pale")
+_NOUNS = ("heron", "otter", "falcon", "lantern", "harbour", "meadow", "compass", "willow", "comet", "anchor")
+_PLACES = ("doormat", "flower pot", "garden gnome", "loose brick", "blue bucket", "porch step", "old boot")
+
+
+def _two_words(rng: random.Random) -> str:
+    return f"{rng.choice(_ADJECTIVES)} {rng.choice(_NOUNS)}"
+
+
+# (needle, question, answer draw): {x} a name, {y} the answer; questions end where the answer comes
+PROSE_NEEDLES: tuple[tuple[str, str, Callable[[random.Random], str]], ...] = (
+    ("{x}'s favourite city is {y}.", "What is {x}'s favourite city? {x}'s favourite city is",
+     lambda rng: rng.choice(_CITIES)),
+    ("The secret ingredient of {x}'s soup is {y}.",
+     "What is the secret ingredient of {x}'s soup? The secret ingredient of {x}'s soup is",
+     lambda rng: rng.choice(_SPICES)),
+    ("{x} was born in the year {y}.", "In which year was {x} born? {x} was born in the year",
+     lambda rng: str(rng.randint(1901, 1999))),
+    ("The boat that {x} owns is called the {y}.", "What is the boat that {x} owns called? It is called the",
+     _two_words),
+    ("{x} hides the spare key under the {y}.", "Where does {x} hide the spare key? Under the",
+     lambda rng: rng.choice(_PLACES)),
+)  # fmt: skip
+PROSE_INTROS = (
+    "Read the following text carefully. A question about it comes at the end.",
+    "Below is a long document. Remember the facts about people that it mentions.",
+    "Here is some reading material, followed by a question.",
+)
+
+KV_VALUES: tuple[Callable[[random.Random], str], ...] = (
+    lambda rng: str(rng.randint(100000, 999999)),  # digits
+    lambda rng: f"{rng.getrandbits(24):06x}",  # hex code
+    _two_words,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    ids: list[int]  # the prompt's token ids, special tokens included
+    expected: str  # the answer
+    needle_token: int  # index in ids of the needle's first token
+
+
+def _words(text: str) -> list[str]:
+    return re.sub(r"[^0-9a-z]+", " ", str(text).lower()).split()
+
+
+def score(expected: str, output: str) -> tuple[str | None, bool]:
+    """(the continuation's first words, as many as the answer has; whether they are the answer's words)."""
+    want = _words(expected)
+    got = _words(output)[: len(want)]
+    return " ".join(got) or None, bool(want) and got == want
+
+
+def _special(tokenizer: Any) -> list[int]:
+    """The special tokens the tokenizer puts around a text (a BOS for Llama-style tokenizers, none for SmolLM2)."""
+    return list(tokenizer("").input_ids)
+
+
+def _ids(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def _build_passkey(tokenizer: Any, length: int, depth: float, rng: random.Random) -> Prompt:
+    """passkey.py's prompt builder with a drawn wording and a 4-7 digit passkey."""
+    wording = rng.randrange(len(_passkey.WORDINGS))
+    digits = rng.randint(4, 7)
+    key = rng.randint(10 ** (digits - 1), 10**digits - 1)
+    specials = len(_special(tokenizer))
+    text = _passkey.build_prompt(tokenizer, length - specials, depth, key, wording=wording)
+    ids = list(tokenizer(text).input_ids)
+    if len(ids) > length:
+        raise _too_short("passkey", length, len(ids))
+    before = text[: text.index(_passkey.passkey_line(key, wording))].rstrip()
+    return Prompt(ids, str(key), len(tokenizer(before).input_ids))
+
+
+_SENTENCE_IDS: dict[tuple[str, str, int], list[list[int]]] = {}
+
+
+def _sentence_ids(tokenizer: Any, source: str = "prose") -> list[list[int]]:
+    """Token ids of every sentence of a context source, each with its leading space (cached per tokenizer):
+    "prose" = texts.prose_sentences(), "story" = the sentences of texts.generated_text()."""
+    key = (source, getattr(tokenizer, "name_or_path", ""), tokenizer.vocab_size)
+    if key not in _SENTENCE_IDS:
+        if source == "prose":
+            sentences = prose_sentences()
+        else:
+            sentences = [s for s in re.split(r"(?<=[.!?])\s+", generated_text(40_000, seed=0)) if s.strip()]
+        ids = tokenizer([" " + " ".join(s.split()) for s in sentences], add_special_tokens=False).input_ids
+        _SENTENCE_IDS[key] = [list(x) for x in ids]
+    return _SENTENCE_IDS[key]
+
+
+def _context(tokenizer: Any, source: str, budget: int, rng: random.Random) -> tuple[list[int], list[int]]:
+    """`budget` tokens of whole sentences from a drawn start (the last one cut), and the sentence boundaries."""
+    sentences = _sentence_ids(tokenizer, source)
+    i = rng.randrange(len(sentences))
+    context, bounds = [], [0]
+    while len(context) < budget:
+        context += sentences[i % len(sentences)]
+        bounds.append(len(context))
+        i += 1
+    return context[:budget], [b for b in bounds if b < budget] + [budget]
+
+
+def _nearest(bounds: list[int], target: float) -> int:
+    return min(bounds, key=lambda b: (abs(b - target), b))
+
+
+def _too_short(name: str, length: int, fixed: int) -> ValueError:
+    return ValueError(f"length={length} leaves no room for the {name} context around its needle and question "
+                      f"({fixed} tokens)")  # fmt: skip
+
+
+def _build_prose(tokenizer: Any, length: int, depth: float, rng: random.Random) -> Prompt:
+    """A needle sentence about a person in real prose, cut to exactly `length` tokens."""
+    needle, question, answer_of = rng.choice(PROSE_NEEDLES)
+    name, intro, answer = rng.choice(NAMES), rng.choice(PROSE_INTROS), answer_of(rng)
+    head = _special(tokenizer) + _ids(tokenizer, intro)
+    needle_ids = _ids(tokenizer, " " + needle.format(x=name, y=answer))
+    tail = _ids(tokenizer, "\n\n" + question.format(x=name))
+    budget = length - len(head) - len(needle_ids) - len(tail)
+    if budget < 1:
+        raise _too_short("prose-needle", length, length - budget)
+    context, bounds = _context(tokenizer, "prose", budget, rng)
+    at = _nearest(bounds, depth * budget)
+    ids = head + context[:at] + needle_ids + context[at:] + tail
+    return Prompt(ids, answer, len(head) + at)
+
+
+# (needle with {k} and {v}, question with {k}): one wording per trial for all its needles; keys are NAMES
+KV_NEEDLES = (
+    ("{k}'s locker code is {v}.", "What is {k}'s locker code? {k}'s locker code is"),
+    ("The access code for {k}'s room is {v}.",
+     "What is the access code for {k}'s room? The access code for {k}'s room is"),
+    ("The password that {k} chose is {v}.", "What is the password that {k} chose? The password that {k} chose is"),
+)  # fmt: skip
+N_NEEDLES = 3  # the asked one and two distractors
+
+
+def _build_kv(tokenizer: Any, length: int, depth: float, rng: random.Random) -> Prompt:
+    """N_NEEDLES key-value needles of one wording and value format in generated story text, exactly `length`
+    tokens; the asked one at `depth`, the others at drawn depths."""
+    needle, question = rng.choice(KV_NEEDLES)
+    value_of = rng.choice(KV_VALUES)
+    keys = rng.sample(NAMES, N_NEEDLES)
+    values: list[str] = []
+    while len(values) < N_NEEDLES:
+        value = value_of(rng)
+        if value not in values:
+            values.append(value)
+    head = _special(tokenizer) + _ids(tokenizer, rng.choice(PROSE_INTROS))
+    needles = [_ids(tokenizer, " " + needle.format(k=k, v=v)) for k, v in zip(keys, values, strict=True)]
+    tail = _ids(tokenizer, "\n\n" + question.format(k=keys[0]))
+    budget = length - len(head) - sum(map(len, needles)) - len(tail)
+    if budget < 1:
+        raise _too_short("kv-retrieval", length, length - budget)
+    context, bounds = _context(tokenizer, "story", budget, rng)
+    places = [_nearest(bounds, depth * budget), *(_nearest(bounds, rng.random() * budget) for _ in needles[1:])]
+    ids, start, target = list(head), 0, 0
+    for at, i in sorted((at, i) for i, at in enumerate(places)):
+        ids += context[start:at]
+        if i == 0:
+            target = len(ids)
+        ids += needles[i]
+        start = at
+    ids += context[start:] + tail
+    return Prompt(ids, values[0], target)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A prompt family: `build(tokenizer, length, depth, rng) -> Prompt` and the module's `score`."""
+
+    name: str
+    build: Callable[[Any, int, float, random.Random], Prompt]
+    new_tokens: int  # greedy tokens to generate: the longest answer plus a leading space and a spare
+    exact: bool  # prompts are exactly `length` tokens (else: at most, by less than one context unit)
+
+    def rng(self, seed: int, length: int, depth: float, trial: int) -> random.Random:
+        return random.Random(f"{self.name}:{seed}:{length}:{depth}:{trial}")
+
+    def prompt(self, tokenizer: Any, seed: int, length: int, depth: float, trial: int) -> Prompt:
+        """The prompt of one grid cell: the same for every setting and every re-run."""
+        if not 0.0 <= depth <= 1.0:
+            raise ValueError(f"depth must be in [0, 1], got {depth}")
+        return self.build(tokenizer, length, depth, self.rng(seed, length, depth, trial))
+
+    def score(self, expected: str, output: str) -> tuple[str | None, bool]:
+        return score(expected, output)
+
+    def min_length(self, tokenizer: Any) -> int:
+        """A length that holds every wording with some context: the shortest that 64 draws at depth 0.5
+        built, plus 16 tokens (answers and names vary in tokens)."""
+        n = 32
+        for trial in range(64):
+            while True:
+                try:
+                    self.build(tokenizer, n, 0.5, self.rng(0, 0, 0.5, trial))
+                    break
+                except ValueError:
+                    n += 8
+        return n + 16
+
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("passkey", _build_passkey, new_tokens=10, exact=False),
+        Family("prose-needle", _build_prose, new_tokens=10, exact=True),
+        Family("kv-retrieval", _build_kv, new_tokens=12, exact=True),
+    )
+}
+ALL = tuple(FAMILIES)
+
+
+def parse_families(spec: str | Sequence[str] | None) -> list[str]:
+    """'passkey,kv-retrieval' (or a list) -> known family names, in the given order, without repeats."""
+    if spec is None:
+        return list(ALL)
+    names = [n.strip() for n in (spec.split(",") if isinstance(spec, str) else spec) if n.strip()]
+    unknown = [n for n in names if n not in FAMILIES]
+    if not names or unknown:
+        raise ValueError(f"families must be names among {', '.join(ALL)}, got {spec!r}")
+    return list(dict.fromkeys(names))
+
+
+def check_fits(tokenizer: Any, families: Sequence[str], lengths: Sequence[int]) -> None:
+    """Every length must hold every family's prompt (raises ValueError naming the family and the minimum)."""
+    for name in families:
+        shortest = FAMILIES[name].min_length(tokenizer)
+        if min(lengths) < shortest:
+            raise ValueError(f"lengths must be >= {shortest} tokens to hold the {name} prompt, got {min(lengths)}")
+
+
+def wording_digest() -> str:
+    """A hash of the families' wording tables: a resume after they change is refused, not mixed."""
+    tables = [_passkey.INTRO, _passkey.FILLER, _passkey.WORDINGS, NAMES, _CITIES, _SPICES, _ADJECTIVES, _NOUNS,
+              _PLACES, [needle[:2] for needle in PROSE_NEEDLES], PROSE_INTROS, KV_NEEDLES, N_NEEDLES]  # fmt: skip
+    return hashlib.sha1(json.dumps(tables).encode()).hexdigest()[:16]
+
+
+def text_params(families: Sequence[str]) -> dict[str, Any]:
+    """Run parameters that pin the families' texts: their wordings and the prose (which depends on the
+    Python version)."""
+    return {"wording_sha1": wording_digest(), **({"prose_sha1": prose_digest()} if "prose-needle" in families else {})}
