@@ -67,6 +67,19 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
+@pytest.fixture(scope="module")
+def tiny_llama(tokenizer):
+    """A tiny random float32 Llama over the embedded tokenizer's vocabulary, for the evaluation tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tokenizer, tmp_path_factory):
     """A saved tiny random Llama with the embedded tokenizer: a local checkpoint for the CLI and lm-eval."""

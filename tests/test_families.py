@@ -5,8 +5,6 @@ import json
 import re
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from moba_hf import MobaConfig, cli
 from moba_hf.eval import families, sweep
@@ -15,16 +13,6 @@ from moba_hf.eval.passkey import passkey_eval
 from moba_hf.eval.runner import TRIALS_FILE, RunMismatch
 
 FAMILY_NAMES = list(FAMILIES)
-
-
-@pytest.fixture(scope="module")
-def tiny(tokenizer):
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-    )  # fmt: skip
-    return LlamaForCausalLM(config).eval()
 
 
 @pytest.mark.parametrize("name", FAMILY_NAMES)
@@ -120,11 +108,11 @@ def test_ranking_and_pareto_front_use_the_worst_family():
 
 
 def test_sweep_reports_families_side_by_side_and_refuses_other_families(
-    tiny, tokenizer, tmp_path, one_thread, monkeypatch
+    tiny_llama, tokenizer, tmp_path, one_thread, monkeypatch
 ):
     grid = [("sdpa", None), ("b16-k2", MobaConfig(block_size=16, top_k=2))]
     run = {"lengths": [128], "trials": 2, "text_ids": None, "out_dir": tmp_path, "batch": 2, "progress": False}
-    rows = sweep.run_sweep(tiny, tokenizer, grid, families=["prose-needle", "kv-retrieval"], **run)
+    rows = sweep.run_sweep(tiny_llama, tokenizer, grid, families=["prose-needle", "kv-retrieval"], **run)
     assert [set(r.accuracy) for r in rows] == [{"prose-needle", "kv-retrieval"}] * 2
     table = (tmp_path / "pareto.md").read_text().splitlines()
     head = [c.strip() for c in table[0].strip("|").split("|")]
@@ -135,14 +123,14 @@ def test_sweep_reports_families_side_by_side_and_refuses_other_families(
     assert max(t["sparsity"] for t in trials if t["setting"] == "b16-k2") > 0.3
     assert sweep.pareto_plot(rows, 128, tmp_path / "pareto.png").stat().st_size > 1000
     with pytest.raises(RunMismatch, match=r"families=\[\"prose-needle\", \"kv-retrieval\"\], this run has families="):
-        sweep.run_sweep(tiny, tokenizer, grid, families=["prose-needle"], **run)
+        sweep.run_sweep(tiny_llama, tokenizer, grid, families=["prose-needle"], **run)
     monkeypatch.setattr(families, "PROSE_INTROS", ("Another intro.",))  # a new wording is another experiment
     with pytest.raises(RunMismatch, match="wording_sha1="):
-        sweep.run_sweep(tiny, tokenizer, grid, families=["prose-needle", "kv-retrieval"], **run)
+        sweep.run_sweep(tiny_llama, tokenizer, grid, families=["prose-needle", "kv-retrieval"], **run)
 
 
-def test_passkey_grid_over_families(tiny, tokenizer, tmp_path, one_thread):
-    result = passkey_eval(tiny, tokenizer, ["sdpa"], lengths=[128], depths=[0.0, 1.0], trials=1, out_dir=tmp_path,
+def test_passkey_grid_over_families(tiny_llama, tokenizer, tmp_path, one_thread):
+    result = passkey_eval(tiny_llama, tokenizer, ["sdpa"], lengths=[128], depths=[0.0, 1.0], trials=1, out_dir=tmp_path,
                           families="passkey,kv-retrieval", progress=False)  # fmt: skip
     assert {(r["family"], r["depth"]) for r in result.records} == {
         (f, d) for f in ("passkey", "kv-retrieval") for d in (0.0, 1.0)

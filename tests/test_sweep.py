@@ -1,26 +1,15 @@
-"""The training-free sweep on a tiny random Llama with the embedded tokenizer."""
+"""The training-free sweep on a tiny_llama random Llama with the embedded tokenizer."""
 
 import json
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from moba_hf import MobaConfig, cli
 from moba_hf.eval import sweep
 from moba_hf.eval.families import FAMILIES
 from moba_hf.eval.passkey import WORDINGS, build_prompt, passkey_line
 from moba_hf.eval.runner import TRIALS_FILE, RunMismatch
-
-
-@pytest.fixture(scope="module")
-def tiny(tokenizer):
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-    )  # fmt: skip
-    return LlamaForCausalLM(config).eval()
 
 
 def test_the_sweep_uses_the_passkey_prompt_builder(tokenizer):
@@ -46,12 +35,12 @@ def test_pareto_front_keeps_only_undominated_settings():
     assert sweep.pareto_front(rows, 8) == {"dense", "a", "c"}
 
 
-def test_sweep_writes_table_plot_and_resumes(tiny, tokenizer, tmp_path, one_thread):
+def test_sweep_writes_table_plot_and_resumes(tiny_llama, tokenizer, tmp_path, one_thread):
     grid = [("sdpa", None), ("b16-k2", MobaConfig(block_size=16, top_k=2)), ("bad", MobaConfig(full_attn_layers=9))]
     text = torch.randint(0, len(tokenizer), (1, 96))
     run = {"lengths": [112, 128], "trials": 2, "text_ids": text, "out_dir": tmp_path, "batch": 2, "progress": False,
            "families": ["prose-needle"]}  # fmt: skip
-    rows = sweep.run_sweep(tiny, tokenizer, grid, **run)
+    rows = sweep.run_sweep(tiny_llama, tokenizer, grid, **run)
     by_name = {r.name: r for r in rows}
     assert by_name["sdpa"].sparsity[128] == 0.0
     trials = [json.loads(line) for line in (tmp_path / TRIALS_FILE).read_text().splitlines()]
@@ -72,13 +61,13 @@ def test_sweep_writes_table_plot_and_resumes(tiny, tokenizer, tmp_path, one_thre
     original = sweep.greedy_decode
     sweep.greedy_decode = lambda *a, **k: calls.append(1) or original(*a, **k)
     try:
-        sweep.run_sweep(tiny, tokenizer, grid, **run)
+        sweep.run_sweep(tiny_llama, tokenizer, grid, **run)
     finally:
         sweep.greedy_decode = original
     assert calls == []  # finished settings are not run again; the failed one fails again before any trial
 
     # a resumed run whose last rows are all reused still writes every row of its grid
-    sweep.run_sweep(tiny, tokenizer, grid[::-1][1:], **run)
+    sweep.run_sweep(tiny_llama, tokenizer, grid[::-1][1:], **run)
     saved = json.loads((tmp_path / "results.json").read_text())
     assert [r["name"] for r in saved["rows"]] == ["b16-k2", "sdpa"]
 
@@ -86,13 +75,13 @@ def test_sweep_writes_table_plot_and_resumes(tiny, tokenizer, tmp_path, one_thre
 @pytest.mark.parametrize(
     "change", [{"trials": 3}, {"lengths": [128]}, {"batch": 1}, {"text_ids": None}, {"families": ["passkey"]}]
 )
-def test_sweep_resume_refuses_other_parameters(tiny, tokenizer, tmp_path, change, one_thread):
+def test_sweep_resume_refuses_other_parameters(tiny_llama, tokenizer, tmp_path, change, one_thread):
     run = {"lengths": [128, 160], "trials": 1, "text_ids": torch.arange(64)[None], "out_dir": tmp_path, "batch": 2,
            "progress": False, "families": ["passkey", "kv-retrieval"]}  # fmt: skip
-    sweep.run_sweep(tiny, tokenizer, [("sdpa", None)], **run)
+    sweep.run_sweep(tiny_llama, tokenizer, [("sdpa", None)], **run)
     name = next(iter(change)).replace("text_ids", "ppl_sha1")
     with pytest.raises(RunMismatch, match=f"{name}=.*this run has {name}="):
-        sweep.run_sweep(tiny, tokenizer, [("sdpa", None)], **{**run, **change})
+        sweep.run_sweep(tiny_llama, tokenizer, [("sdpa", None)], **{**run, **change})
 
 
 def test_sweep_command(tiny_dir, tmp_path, capsys, one_thread):
