@@ -80,17 +80,25 @@ def test_torch_matches_reference_float64(shape, gate, layout, monkeypatch):
     _assert_matches_reference(moba_attention_torch, shape, gate)
 
 
-@pytest.mark.parametrize("shape", SHAPES[:2], ids=_id)
-def test_torch_serial_bookkeeping_matches_reference(shape, monkeypatch):
-    # the opt-in single-threaded bookkeeping switches thread counts around the fused calls
-    monkeypatch.setattr(torch_impl, "serial_bookkeeping", True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        _assert_matches_reference(moba_attention_torch, shape, {"sink_blocks": 1})
-        assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(threads)
+@pytest.mark.parametrize("parts", [2, 3])
+@pytest.mark.parametrize("gate", GATES[::3], ids=_gate_id)
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[3] >= 30], ids=_id)
+def test_torch_query_parts_match_reference(shape, gate, parts, monkeypatch):
+    # queries cut into ranges run on single-threaded workers (parts of 5+ rows here), forward and gradients
+    monkeypatch.setattr(torch_impl, "_PART_ROWS", 5)
+    monkeypatch.setattr(torch_impl, "worker_count", lambda device: parts)
+    ranges = torch_impl.query_parts(shape[3], shape[4], shape[6], parts)
+    assert len(ranges) == parts and ranges[0][0] == 0 and ranges[-1][1] == shape[3]
+    _assert_matches_reference(moba_attention_torch, shape, gate)
+
+
+def test_query_parts_cut_at_block_boundaries():
+    assert torch_impl.query_parts(4096, 4096, 512, 2) == [(0, 2048), (2048, 4096)]
+    assert torch_impl.query_parts(1500, 1500, 512, 2) == [(0, 512), (512, 1500)]  # nearest boundary
+    assert torch_impl.query_parts(1536, 1536, 512, 3) == [(0, 512), (512, 1024), (1024, 1536)]
+    assert torch_impl.query_parts(1400, 1700, 64, 2) == [(0, 724), (724, 1400)]  # queries start at key 300
+    assert torch_impl.query_parts(1000, 1000, 512, 1) == [(0, 1000)]
+    assert torch_impl.query_parts(600, 600, 64, 2) == [(0, 600)]  # parts of at least 512 queries
 
 
 @pytest.mark.parametrize("shape", SHAPES[:3], ids=_id)

@@ -22,34 +22,6 @@ use_fused = True  # tests switch this off to check the matmul path
 _threads = threading.local()
 
 
-@contextlib.contextmanager
-def serial(q: torch.Tensor, on: bool):
-    """With `on` (and the fused op serving q): the caller's work inside runs on one thread, except the fused
-    attention calls, which get the caller's threads back (see `torch_impl.serial_bookkeeping`)."""
-    n = torch.get_num_threads()
-    if not (on and fused_available(q)) or n == 1 or getattr(_threads, "n", 0):
-        yield
-        return
-    _threads.n = n
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-        _threads.n = 0
-
-
-def _parallel(fn, *args, **kwargs):
-    n = getattr(_threads, "n", 0)
-    if not n:
-        return fn(*args, **kwargs)
-    torch.set_num_threads(n)
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        torch.set_num_threads(1)
-
-
 def fused_available(t: torch.Tensor) -> bool:
     """Whether the fused CPU flash-attention ops serve `t` (CPU tensor, ops present, not switched off)."""
     on = use_fused and not getattr(_threads, "no_fused", False)
@@ -85,8 +57,8 @@ def attention_with_lse(
     n, m = q.shape[2], k.shape[2]
     if fused_available(q):
         if offset is None or (offset == 0 and n == m):
-            return _parallel(_FUSED_FWD, q, k, v, 0.0, offset is not None, scale=scale)
-        return _parallel(_FUSED_FWD, q, k, v, 0.0, False, attn_mask=_offset_mask(n, m, offset, q), scale=scale)
+            return _FUSED_FWD(q, k, v, 0.0, offset is not None, scale=scale)
+        return _FUSED_FWD(q, k, v, 0.0, False, attn_mask=_offset_mask(n, m, offset, q), scale=scale)
     b, hq, _, d = q.shape
     hk = k.shape[1]
     q5 = q.reshape(b, hk, hq // hk, n, d)
@@ -114,10 +86,8 @@ def attention_with_lse_backward(
     n, m = q.shape[2], k.shape[2]
     if fused_available(q):
         if offset is None or (offset == 0 and n == m):
-            return _parallel(_FUSED_BWD, do, q, k, v, o, lse, 0.0, offset is not None, scale=scale)
-        return _parallel(
-            _FUSED_BWD, do, q, k, v, o, lse, 0.0, False, attn_mask=_offset_mask(n, m, offset, q), scale=scale
-        )
+            return _FUSED_BWD(do, q, k, v, o, lse, 0.0, offset is not None, scale=scale)
+        return _FUSED_BWD(do, q, k, v, o, lse, 0.0, False, attn_mask=_offset_mask(n, m, offset, q), scale=scale)
     b, hq, _, d = q.shape
     hk = k.shape[1]
     g = hq // hk

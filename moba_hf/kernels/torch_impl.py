@@ -30,14 +30,8 @@ from .common import (
     propagate_nonfinite,
     selection_slices,
 )
-from .dense import (
-    attention_with_lse,
-    attention_with_lse_backward,
-    fused_available,
-    fused_if,
-    merge_lse_,
-    serial,
-)
+from .dense import attention_with_lse, attention_with_lse_backward, fused_available, fused_if, merge_lse_
+from .workers import run_all, worker_count
 
 # working-set bounds: small enough to keep memory ~ N * top_k * block_size, big enough for efficient kernels
 # gated rows per fused-batch entry: a group's last chunk is padded, so small blocks (few rows per group) want
@@ -66,11 +60,24 @@ def _batch_rows(device: torch.device, block_size: int) -> int:
     return _BATCH_ROWS if device.type == "cpu" else max(_chunk_rows(block_size), _GPU_SCORES // block_size)
 
 
-# Opt-in for oversubscribed machines: run the index bookkeeping (gathers, sorts, merges: many short memory-bound
-# ops) on one thread and only the fused attention calls on the caller's threads, since there each short
-# multi-threaded op waits for sleeping workers. Off by default: on an idle 2-core box it made a 32K forward
-# 1.3-2.4 s instead of 1.15 s.
-serial_bookkeeping = False
+# On CPU the queries run as independent ranges ("parts"), one per intra-op thread, each on a single-threaded
+# worker (see `workers`): robust on a busy machine, and faster idle since short ops overlap. A part has at least
+# this many queries (below it, one part on the caller's threads).
+_PART_ROWS = 512
+
+
+def query_parts(nq: int, nk: int, block_size: int, workers: int) -> list[tuple[int, int]]:
+    """Query ranges [first, end) of about equal size (MoBA's work per query is about constant), cut at block
+    boundaries when the parts stay non-empty, so own blocks stay whole."""
+    count = min(workers, nq // _PART_ROWS)
+    start, cuts = nk - nq, [0]
+    for i in range(1, count):
+        cut = round(i * nq / count)
+        aligned = round((start + cut) / block_size) * block_size - start
+        cut = aligned if cuts[-1] < aligned < nq else cut
+        if cuts[-1] < cut < nq:
+            cuts.append(cut)
+    return list(zip(cuts, cuts[1:] + [nq], strict=True))
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -356,22 +363,66 @@ def _backward(do, q, k, v, out, lse, plan: _Plan, block_size: int, scale: float,
     return dq, dk[:, :, :nk], dv[:, :, :nk]
 
 
+def _part(t: torch.Tensor, first: int, end: int) -> torch.Tensor:
+    """Queries [first, end) of [B, H, Nq, ...] as a contiguous tensor (the pieces gather rows of it)."""
+    return t if (first, end) == (0, t.shape[2]) else t[:, :, first:end].contiguous()
+
+
+def _prefix(t: torch.Tensor, queries_end: int, nq: int) -> torch.Tensor:
+    """The keys a part ending at query `queries_end` can see: the first Nk - Nq + queries_end (a view)."""
+    return t[:, :, : t.shape[2] - nq + queries_end]
+
+
 class _MobaTorch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan, block_size, scale):
+    def forward(ctx, q, k, v, parts, block_size, top_k, gate, scale):
         dtype = gate_dtype(q.dtype)
-        with serial(q, serial_bookkeeping), fused_if(plan.finite_keys):
-            out, lse = _forward(q, k, v, plan, block_size, scale, dtype)
+        nq = q.shape[2]
+
+        def run(first: int, end: int):
+            qp, kp, vp = _part(q, first, end), _prefix(k, end, nq), _prefix(v, end, nq)
+            earlier = None
+            if top_k > 1 or gate["sink_blocks"] or gate["local_blocks"]:
+                b, hq, nb = q.shape[0], q.shape[1], num_blocks(kp.shape[2], block_size)
+                per = max(1, _GATE_ELEMENTS * (1 if q.device.type == "cpu" else _GPU_SCALE) // (b * hq * nb))
+                slices = selection_slices(qp, kp, block_size=block_size, top_k=top_k, slice_rows=per, **gate)
+                earlier = ((a, gated) for a, _, gated in slices)
+            plan = _Plan(qp, kp, block_size, earlier)
+            with fused_if(plan.finite_keys):
+                out, lse = _forward(qp, kp, vp, plan, block_size, scale, dtype)
+            return plan, out, lse
+
+        results = run_all([lambda p=p: run(*p) for p in parts], len(parts))
+        out = torch.cat([o for _, o, _ in results], dim=2) if len(parts) > 1 else results[0][1]
+        lse = torch.cat([l_ for _, _, l_ in results], dim=2) if len(parts) > 1 else results[0][2]
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.block_size, ctx.scale, ctx.dtype = plan, block_size, scale, dtype
+        ctx.parts, ctx.plans = parts, [plan for plan, _, _ in results]
+        ctx.block_size, ctx.scale, ctx.dtype = block_size, scale, dtype
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        with serial(q, serial_bookkeeping), fused_if(ctx.plan.finite_keys):
-            dq, dk, dv = _backward(grad_out, q, k, v, out, lse, ctx.plan, ctx.block_size, ctx.scale, ctx.dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        nq = q.shape[2]
+
+        def run(first: int, end: int, plan: _Plan):
+            part = (_part(t, first, end) for t in (grad_out, q, out, lse))
+            do, qp, op, lp = part
+            kp, vp = _prefix(k, end, nq), _prefix(v, end, nq)
+            with fused_if(plan.finite_keys):
+                return _backward(do, qp, kp, vp, op, lp, plan, ctx.block_size, ctx.scale, ctx.dtype)
+
+        jobs = [lambda p=p, plan=plan: run(*p, plan) for p, plan in zip(ctx.parts, ctx.plans, strict=True)]
+        grads = run_all(jobs, len(jobs))
+        if len(grads) == 1:
+            dq, dk, dv = grads[0]
+        else:  # each part's key gradients cover its prefix of the keys
+            dq = torch.cat([g[0] for g in grads], dim=2)
+            dk, dv = torch.zeros_like(k, dtype=ctx.dtype), torch.zeros_like(v, dtype=ctx.dtype)
+            for _, gk, gv in grads:
+                dk[:, :, : gk.shape[2]] += gk
+                dv[:, :, : gv.shape[2]] += gv
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def moba_attention_torch(
@@ -405,16 +456,9 @@ def moba_attention_torch(
     # transformers hands over [B, N, H, D] transposed views; gathering rows of strided tensors is several times
     # slower than one copy (with block 64 it made an 8K forward 1.7x slower)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    with serial(q, serial_bookkeeping):
-        earlier = None
-        if top_k > 1 or sink_blocks or local_blocks:
-            b, hq, nb = q.shape[0], q.shape[1], num_blocks(k.shape[2], block_size)
-            per = max(1, _GATE_ELEMENTS * (1 if q.device.type == "cpu" else _GPU_SCALE) // (b * hq * nb))
-            gate = dict(pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks)
-            slices = selection_slices(q, k, block_size=block_size, top_k=top_k, slice_rows=per, **gate)
-            earlier = ((a, gated) for a, _, gated in slices)
-        plan = _Plan(q, k, block_size, earlier)
-    return _MobaTorch.apply(q, k, v, plan, block_size, scale)
+    parts = query_parts(q.shape[2], k.shape[2], block_size, worker_count(q.device))
+    gate = dict(pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks)
+    return _MobaTorch.apply(q, k, v, parts, block_size, top_k, gate, scale)
 
 
 @torch.no_grad()
@@ -447,12 +491,20 @@ def attention_with_query_variants(
     q = queries[0].contiguous()
     k, v = k.contiguous(), v.contiguous()
     nq, nk = q.shape[2], k.shape[2]
-    own = ((torch.arange(nq, device=q.device) + nk - nq) // block_size)[:, None] == torch.arange(
-        selected.shape[-1], device=q.device
-    )
-    with serial(q, serial_bookkeeping):
-        plan = _Plan(q, k, block_size, [(0, selected & ~own)], variants=(len(queries), variant_chunk))
-        q_gated = torch.cat([t.to(q.dtype) for t in queries], dim=0) if len(queries) > 1 else None
+    dtype = gate_dtype(q.dtype)
+
+    def run(first: int, end: int) -> torch.Tensor:
+        qp, kp, vp = _part(q, first, end), _prefix(k, end, nq), _prefix(v, end, nq)
+        nb = num_blocks(kp.shape[2], block_size)  # a query never selects a block past its own
+        positions = torch.arange(first, end, device=q.device) + nk - nq
+        own = (positions // block_size)[:, None] == torch.arange(nb, device=q.device)
+        gated = selected[:, :, first:end, :nb] & ~own
+        plan = _Plan(qp, kp, block_size, [(0, gated)], variants=(len(queries), variant_chunk))
+        q_gated = torch.cat([_part(t, first, end).to(q.dtype) for t in queries]) if len(queries) > 1 else None
         with fused_if(plan.finite_keys):
-            out, _ = _forward(q, k, v, plan, block_size, scale, gate_dtype(q.dtype), q_gated)
-    return out
+            out, _ = _forward(qp, kp, vp, plan, block_size, scale, dtype, q_gated)
+        return out
+
+    parts = query_parts(nq, nk, block_size, worker_count(q.device))
+    outs = run_all([lambda p=p: run(*p) for p in parts], len(parts))
+    return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
