@@ -20,14 +20,14 @@ from __future__ import annotations
 import torch
 
 from .common import (
+    GateOptions,
     all_finite,
     check_moba_args,
     effective_block_size,
     gate_dtype,
     has_nonfinite,
-    moba_allowed,
     num_blocks,
-    propagate_nonfinite,
+    propagate_moba_nonfinite,
     selection_slices,
 )
 from .dense import (
@@ -390,16 +390,12 @@ def moba_attention_torch(
 
     q: [B, Hq, Nq, D]; k, v: [B, Hkv, Nk, D]; returns [B, Hq, Nq, D] in q's dtype.
     """
-    check_moba_args(
-        q, k, v, block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
-    )
+    gate = GateOptions(pooling, sink_blocks, local_blocks)
+    check_moba_args(q, k, v, block_size=block_size, top_k=top_k)
     block_size = effective_block_size(block_size, k.shape[2])  # bounded by the sequence
     if has_nonfinite(q, v):
-        gate = dict(
-            block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
-        )
-        return propagate_nonfinite(
-            lambda q_, v_: moba_attention_torch(q_, k, v_, scale=scale, **gate), q, v, moba_allowed(q, k, **gate)
+        return propagate_moba_nonfinite(
+            moba_attention_torch, q, k, v, scale=scale, block_size=block_size, top_k=top_k, gate=gate
         )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     # transformers hands over [B, N, H, D] transposed views; gathering rows of strided tensors is several times
@@ -407,11 +403,10 @@ def moba_attention_torch(
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     with serial(q, serial_bookkeeping):
         earlier = None
-        if top_k > 1 or sink_blocks or local_blocks:
+        if gate.reaches_back(top_k):
             b, hq, nb = q.shape[0], q.shape[1], num_blocks(k.shape[2], block_size)
             per = max(1, _GATE_ELEMENTS * (1 if q.device.type == "cpu" else _GPU_SCALE) // (b * hq * nb))
-            gate = dict(pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks)
-            slices = selection_slices(q, k, block_size=block_size, top_k=top_k, slice_rows=per, **gate)
+            slices = selection_slices(q, k, block_size=block_size, top_k=top_k, gate=gate, slice_rows=per)
             earlier = ((a, gated) for a, _, gated in slices)
         plan = _Plan(q, k, block_size, earlier)
     return _MobaTorch.apply(q, k, v, plan, block_size, scale)
