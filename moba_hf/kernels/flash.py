@@ -37,6 +37,7 @@ from .common import (
     route_nonfinite,
     selection_slices,
 )
+from .dense import merge_lse_rows
 
 try:
     import flash_attn
@@ -153,13 +154,6 @@ def moba_attention_flash(
     counts = torch.bincount(blocks, minlength=b * hkv * nb)
     out_g, lse_g = _attend(q_gated, k_flat, v_flat, counts, block_k.repeat(b * hkv), scale, False, surrogate)
 
-    # log-sum-exp merge in float32 (float64 stays float64); the max only keeps exp() in range
-    dtype = gate_dtype(q.dtype)
-    lse, lse_g = lse.reshape(-1), lse_g.reshape(-1)
-    with torch.no_grad():
-        top = lse.detach().scatter_reduce(0, rows, lse_g.detach(), "amax")
-    total = top + (lse - top).exp().index_add(0, rows, (lse_g - top[rows]).exp()).log()
-    merged = (out.reshape(-1, d).to(dtype) * (lse - total).exp()[:, None]).index_add(
-        0, rows, out_g.reshape(-1, d).to(dtype) * (lse_g - total[rows]).exp()[:, None]
-    )
+    # in lse's float32 (float64 stays float64)
+    merged = merge_lse_rows(out.reshape(-1, d), lse.reshape(-1), out_g.reshape(-1, d), lse_g.reshape(-1), rows)
     return merged.to(q.dtype).view(b, hkv, nq, g, d).transpose(2, 3).reshape(b, hq, nq, d)
