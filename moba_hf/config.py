@@ -19,7 +19,7 @@ except ImportError:  # Python 3.10
     import tomli as tomllib
 
 from .dca.config import DcaConfig, check_block_multiple
-from .kernels.common import POOLINGS
+from .kernels.common import POOLINGS, GateOptions
 
 DECODE_MODES = ("moba", "full")
 from .kernels import BACKENDS  # noqa: E402 - "auto" and the registered backends (moba_hf.kernels), read live
@@ -100,6 +100,15 @@ class MobaConfig:
                     f"not both: got full_attn_layers={self.full_attn_layers}, full_attn_layer_ids={list(ids)}"
                 )
             object.__setattr__(self, "full_attn_layer_ids", tuple(ids))
+
+    @property
+    def gate(self) -> GateOptions:
+        """The gate's pooling and forced blocks, as the kernels take them."""
+        return GateOptions(self.pooling, self.sink_blocks, self.local_blocks)
+
+    def kernel_kwargs(self) -> dict[str, Any]:
+        """The MoBA keywords of the kernels' public functions (`moba_attention`, `moba_decode`, `dca_attention`)."""
+        return dict(block_size=self.block_size, top_k=self.top_k, **self.gate.as_kwargs())
 
     # --- which layers are dense -------------------------------------------------------------------
     def full_layer_set(self, num_layers: int) -> frozenset[int]:

@@ -85,17 +85,20 @@ def run_demo(
     progress: bool = True,
 ) -> list[dict[str, Any]]:
     """One row per length: accuracy and median prefill of sdpa and `moba` (a Setting), MoBA's mean sparsity."""
+    import dataclasses
+
     import torch
     from tqdm.auto import tqdm
 
-    from .eval.passkey import run_trial
+    from .eval import passkey
+    from .eval.runner import ResultStore, model_info, run_grid
     from .eval.settings import Setting, use_setting
 
     settings = [Setting("sdpa"), moba]
     rng = random.Random(seed)
     depths = [(i + 0.5) / trials for i in range(trials)]
-    jobs = [(n, d, rng.randint(10000, 99999)) for n in lengths for d in depths]
-    results: dict[tuple[str, int], list[Any]] = {}
+    jobs = [{"length": n, "depth": d, "passkey": rng.randint(10000, 99999)} for n in lengths for d in depths]
+    store = ResultStore(None, "demo", {"lengths": list(lengths), "trials": trials, "seed": seed}, model_info(model))
 
     print(f"model: {model_name or type(model).__name__}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"MoBA: {moba.moba} (setting {moba.name})")
@@ -107,22 +110,27 @@ def run_demo(
         except ValueError as error:  # a setting this model cannot run, e.g. more full layers than it has
             raise UsageError(f"--attn {setting.name}: {error}") from None
     with tqdm(total=len(jobs) * len(settings), desc="passkey", unit="trial", disable=not progress) as bar:
-        for length, depth, key in jobs:
-            for setting in settings:
-                bar.set_postfix_str(f"{setting.name} {length} tokens")
-                with use_setting(model, setting):
-                    trial = run_trial(model, tokenizer, length, depth, key)
-                results.setdefault((setting.name, length), []).append(trial)
-                bar.update()
+
+        def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
+            trial = passkey.run_trial(model, tokenizer, cell["length"], cell["depth"], cell["passkey"])
+            bar.update()
+            return dataclasses.asdict(trial)
+
+        for job in jobs:  # one prompt at a time, both settings back to back
+            bar.set_postfix_str(f"{job['length']} tokens")
+            run_grid(model, settings, [job], run_cell, store, progress=False)
+            if store.failures:
+                name, error = next(iter(store.failures.items()))
+                raise RuntimeError(f"setting {name!r} failed: {error}")
     rows = []
     for length in lengths:
-        full, sparse = results[("sdpa", length)], results[(moba.name, length)]
+        full, sparse = ([r for r in store.records([s]) if r["length"] == length] for s in settings)
         rows.append({
-            "length": length, "prompt_tokens": full[0].prompt_tokens, "trials": len(full),
-            "sdpa_correct": sum(t.correct for t in full), "moba_correct": sum(t.correct for t in sparse),
-            "sdpa_prefill": statistics.median(t.prefill_seconds for t in full),
-            "moba_prefill": statistics.median(t.prefill_seconds for t in sparse),
-            "moba_sparsity": statistics.fmean(t.sparsity for t in sparse),
+            "length": length, "prompt_tokens": full[0]["prompt_tokens"], "trials": len(full),
+            "sdpa_correct": sum(t["correct"] for t in full), "moba_correct": sum(t["correct"] for t in sparse),
+            "sdpa_prefill": statistics.median(t["prefill_seconds"] for t in full),
+            "moba_prefill": statistics.median(t["prefill_seconds"] for t in sparse),
+            "moba_sparsity": statistics.fmean(t["sparsity"] for t in sparse),
         })  # fmt: skip
     return rows
 

@@ -40,20 +40,28 @@ TINY = dict(
     max_position_embeddings=256,
 )
 ARCHS = ("llama", "qwen2", "qwen3")
+# the training tests' sizes: a vocabulary of 128 for their token-id documents
+TRAIN = dict(vocab_size=128, hidden_size=64, intermediate_size=128, max_position_embeddings=2048)
 
 
-def tiny_model(arch: str = "llama", moba=None, layers: int = 2, **config):
-    """A tiny random `arch` model (TINY, `layers` layers, `config` overrides) in float64 eval mode, with sdpa
+def tiny_model(arch: str = "llama", moba=None, layers: int = 2, *, dtype=torch.float64, **config):
+    """A tiny random `arch` model (TINY, `layers` layers, `config` overrides) in `dtype` and eval mode, with sdpa
     attention, or switched to MoBA with `moba` (a MobaConfig) when given."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import moba_hf
 
     model_config = AutoConfig.for_model(arch, **{**TINY, "num_hidden_layers": layers, **config})
-    if arch == "qwen3":
-        model_config.head_dim = 8
-    model = AutoModelForCausalLM.from_config(model_config, attn_implementation="sdpa", dtype=torch.float64).eval()
+    if arch == "qwen3" and "head_dim" not in config:
+        model_config.head_dim = 8  # its default is 128
+    model = AutoModelForCausalLM.from_config(model_config, attn_implementation="sdpa", dtype=dtype).eval()
     return model if moba is None else moba_hf.apply(model, moba)
+
+
+def train_model(seed: int = 0, dtype=torch.float32):
+    """The tiny Llama the training tests train: `tiny_model` with TRAIN sizes, seeded, in training mode."""
+    torch.manual_seed(seed)
+    return tiny_model("llama", dtype=dtype, **TRAIN).train()
 
 
 @pytest.fixture(scope="session")
@@ -70,28 +78,19 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def tiny_llama(tokenizer):
     """A tiny random float32 Llama over the embedded tokenizer's vocabulary, for the evaluation tests."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-    )  # fmt: skip
-    return LlamaForCausalLM(config).eval()
+    return tiny_model("llama", dtype=torch.float32, vocab_size=len(tokenizer), max_position_embeddings=1024)
 
 
 @pytest.fixture(scope="session")
 def tiny_dir(tokenizer, tmp_path_factory):
     """A saved tiny random Llama with the embedded tokenizer: a local checkpoint for the CLI and lm-eval."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    model = tiny_model(
+        "llama", dtype=torch.float32, vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+        max_position_embeddings=2048, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )  # fmt: skip
     path = tmp_path_factory.mktemp("tiny_llama")
-    LlamaForCausalLM(config).save_pretrained(path)
+    model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

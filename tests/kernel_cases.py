@@ -59,18 +59,23 @@ def poisoned_inputs(shape, which: str, index: int, value: float = float("nan"), 
     return [t.requires_grad_() for t in (q, k, v)]
 
 
+def selection(q, k, *, block_size, top_k, **gate) -> torch.Tensor:
+    """The shared selection under a backend's keywords (block_size, top_k, pooling, sink_blocks, local_blocks)."""
+    from moba_hf.kernels import GateOptions, selected_blocks
+
+    return selected_blocks(q, k, block_size=block_size, top_k=top_k, gate=GateOptions(**gate))
+
+
 def rows_that_see(q, k, which: str, index: int, **kw) -> torch.Tensor:
     """bool [B, Hq, Nq]: the rows whose result depends on entry (0, 0, index) of q, k or v under the shared
     selection: the query row itself, or the rows attending key `index` (the query heads of kv head 0)."""
-    from moba_hf.kernels.common import selected_blocks
-
     b, hq, nq, _ = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     rows = torch.zeros(b, hq, nq, dtype=torch.bool)
     if which == "q":
         rows[0, 0, index] = True
         return rows
-    selected = selected_blocks(q.detach(), k.detach(), **kw).cpu()
+    selected = selection(q.detach(), k.detach(), **kw).cpu()
     attends = selected[..., index // kw["block_size"]] & (torch.arange(nk - nq, nk) >= index)
     group = hq // hkv
     rows[0, :group] = attends[0, :group]

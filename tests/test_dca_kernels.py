@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from kernel_cases import rounding_tol
+from kernel_cases import rounding_tol, selection
 
 from moba_hf.dca import dca_attention, relative_positions, rotate
 from moba_hf.kernels import moba_attention_reference
@@ -254,14 +254,14 @@ def test_dca_moba_inference_path_matches_moba_on_remapped_scores(case, group_row
 
 
 def test_torch_kernel_with_one_query_variant_is_plain_moba():
-    from moba_hf.kernels import moba_attention_reference, selected_blocks
+    from moba_hf.kernels import moba_attention_reference
     from moba_hf.kernels.torch_impl import attention_with_query_variants
 
     q = torch.randn(2, 4, 37, 8, dtype=torch.float64)
     k = torch.randn(2, 2, 53, 8, dtype=torch.float64)
     v = torch.randn(2, 2, 53, 8, dtype=torch.float64)
     gate = dict(block_size=5, top_k=3, sink_blocks=1, local_blocks=1)
-    selected = selected_blocks(q, k, **gate)
+    selected = selection(q, k, **gate)
     got = attention_with_query_variants([q], k, v, selected=selected, block_size=5, variant_chunk=10, scale=0.4)
     want = moba_attention_reference(q, k, v, scale=0.4, **gate)
     torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)

@@ -8,7 +8,7 @@ import inspect
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_cases import case_tol, flash_atol, rounding_tol
+from kernel_cases import case_tol, flash_atol, rounding_tol, selection
 from kernel_cases import fwd_bwd as _fwd_bwd
 from kernel_cases import gate_id as _gate_id
 from kernel_cases import moba_inputs as _inputs
@@ -189,15 +189,8 @@ def _flex_mask_dense(q, k, **kw):
     from moba_hf.kernels import flex
 
     nq, nk = q.shape[2], k.shape[2]
-    picks, _ = flex._selection(
-        q,
-        k,
-        kw["block_size"],
-        kw["top_k"],
-        kw.get("pooling", "mean"),
-        kw.get("sink_blocks", 0),
-        kw.get("local_blocks", 0),
-    )
+    gate = kernels.GateOptions(**{n: v for n, v in kw.items() if n not in ("block_size", "top_k")})
+    picks, _ = flex._selection(q, k, kw["block_size"], kw["top_k"], gate)
     mod = flex._mask_mod(picks, kw["block_size"], nk - nq, kw["top_k"])
     b = torch.arange(q.shape[0])[:, None, None, None]
     h = torch.arange(q.shape[1])[None, :, None, None]
@@ -208,17 +201,16 @@ def _flex_mask_dense(q, k, **kw):
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], SHAPES[3], SHAPES[7]], ids=_id)
 def test_flex_mask_equals_reference_selection(shape, gate):
     """The per-token mask_mod and the tile-level BlockMask agree with the shared selection (no compile needed)."""
-    from moba_hf.kernels.common import selected_blocks
     from moba_hf.kernels.flex import moba_block_mask
 
     q, k, _ = _inputs(shape, requires_grad=False)
     kw = {"block_size": shape[6], "top_k": shape[7], **gate}
     nq, nk, bs = q.shape[2], k.shape[2], shape[6]
-    sel = selected_blocks(q, k, **kw)
+    sel = selection(q, k, **kw)
     key_pos, q_pos = torch.arange(nk), torch.arange(nk - nq, nk)
     expected = sel[..., key_pos // bs] & (key_pos[None, :] <= q_pos[:, None])
     assert torch.equal(_flex_mask_dense(q, k, **kw), expected)
-    mask = moba_block_mask(q, k, **kw)
+    mask = moba_block_mask(q, k, block_size=shape[6], top_k=shape[7], gate=kernels.GateOptions(**gate))
     tiles = mask.to_dense().bool()  # [B, H, q tiles, kv tiles]: every allowed pair must lie in a visited tile
     qt, kt = mask.BLOCK_SIZE
     visited = tiles[..., torch.arange(nq) // qt, :][..., torch.arange(nk) // kt]

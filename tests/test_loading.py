@@ -6,22 +6,19 @@ import logging
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from conftest import tiny_model
+from transformers import AutoModelForCausalLM
 
 import moba_hf
 from moba_hf import MobaConfig
-
-TINY = dict(
-    vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny_llama")
-    LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(path)
+    model = tiny_model(dtype=torch.float32, hidden_size=64, intermediate_size=128, max_position_embeddings=512)
+    model.save_pretrained(path)
     return path
 
 

@@ -5,7 +5,8 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, TrainerCallback
+from conftest import train_model
+from transformers import AutoModelForCausalLM, TrainerCallback
 
 import moba_hf
 from moba_hf.kernels import BACKENDS, backend_available
@@ -13,19 +14,6 @@ from moba_hf.train import Document, PackedDataset, TrainConfig, pack, train
 from moba_hf.train.cli import load_config, parse_override
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def tiny_model(seed=0, dtype=torch.float32):
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    return LlamaForCausalLM(config).to(dtype)
 
 
 def tiny_dataset(seq_len=64, n_docs=40):
@@ -73,7 +61,7 @@ class WhatRan(TrainerCallback):
 
 
 def test_loss_decreases(tmp_path):
-    result = train(tiny_config(tmp_path, train={"max_steps": 20}), model=tiny_model(), dataset=tiny_dataset())
+    result = train(tiny_config(tmp_path, train={"max_steps": 20}), model=train_model(), dataset=tiny_dataset())
     assert len(result.losses) == 20
     assert sum(result.losses[-3:]) / 3 < 0.8 * sum(result.losses[:3]) / 3
 
@@ -82,7 +70,7 @@ def test_switch_to_full_attention_at_the_configured_step(tmp_path):
     probe = WhatRan()
     config = tiny_config(tmp_path, schedule={"moba_fraction": 0.9}, train={"sparsity_every": 4})
     assert config.switch_step == 9
-    result = train(config, model=tiny_model(), dataset=tiny_dataset(), callbacks=[probe])
+    result = train(config, model=train_model(), dataset=tiny_dataset(), callbacks=[probe])
     expected = {step: "moba" if step < 9 else "full" for step in range(10)}
     assert result.modes == expected
     assert probe.ran == expected  # what really executed, not just what the schedule said
@@ -94,7 +82,7 @@ def test_switch_to_full_attention_at_the_configured_step(tmp_path):
 
 def test_last_layers_full_is_logged_dense(tmp_path):
     config = tiny_config(tmp_path, moba={"full_attn_layers": 1}, train={"max_steps": 2, "sparsity_every": 1})
-    result = train(config, model=tiny_model(), dataset=tiny_dataset())
+    result = train(config, model=train_model(), dataset=tiny_dataset())
     per_layer = result.sparsity[0]["per_layer"]
     assert per_layer[1] == 0.0 and per_layer[0] > 0.0
 
@@ -103,7 +91,7 @@ def test_checkpoint_round_trip(tmp_path):
     config = tiny_config(
         tmp_path, moba={"full_attn_layers": 1}, schedule={"moba_fraction": 0.5}, train={"max_steps": 4, "save": True}
     )
-    model = tiny_model()
+    model = train_model()
     result = train(config, model=model, dataset=tiny_dataset())
     saved = json.loads((result.output_dir / "config.json").read_text())
     assert saved["moba_config"] == config.moba.to_dict()
@@ -135,7 +123,7 @@ def test_every_backend_trains_like_the_reference(tmp_path, backend):
             moba={"backend": name, "block_size": 7, "top_k": 3},
             train={"max_steps": 4, "optim": "sgd", "learning_rate": 0.5},
         )
-        model = tiny_model()
+        model = train_model()
         runs[name] = (train(config, model=model, dataset=tiny_dataset()).losses, model)
     (ref_losses, ref_model), (losses, model) = runs["reference"], runs[backend]
     n, eps = 2 * 64, torch.finfo(torch.float32).eps
@@ -143,7 +131,7 @@ def test_every_backend_trains_like_the_reference(tmp_path, backend):
     atol = 4 * 0.5 * n * eps
     for (name, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
-    moved = min((p - q).abs().max() for p, q in zip(ref_model.parameters(), tiny_model().parameters(), strict=True))
+    moved = min((p - q).abs().max() for p, q in zip(ref_model.parameters(), train_model().parameters(), strict=True))
     assert moved > 5 * atol, moved  # every tensor moves well beyond what rounding may explain
 
 
@@ -151,14 +139,14 @@ def test_gradient_checkpointing_gives_the_same_training(tmp_path):
     runs = []
     for checkpointing in (False, True):
         config = tiny_config(tmp_path, model={"gradient_checkpointing": checkpointing}, train={"max_steps": 3})
-        runs.append(train(config, model=tiny_model(), dataset=tiny_dataset()).losses)
+        runs.append(train(config, model=train_model(), dataset=tiny_dataset()).losses)
     assert runs[1] == runs[0]  # recomputation repeats the same arithmetic in the same order: bit-identical
 
 
 def test_lora_and_trainable_subsets(tmp_path):
-    before = tiny_model()
+    before = train_model()
     config = tiny_config(tmp_path, lora={"enabled": True, "r": 4, "alpha": 8}, train={"max_steps": 3, "save": True})
-    result = train(config, model=tiny_model(), dataset=tiny_dataset())
+    result = train(config, model=train_model(), dataset=tiny_dataset())
     merged = AutoModelForCausalLM.from_pretrained(result.output_dir, attn_implementation="moba")
     assert merged.config.moba_config == config.moba.to_dict()
     assert not any("lora" in n for n, _ in merged.named_parameters())
@@ -167,7 +155,7 @@ def test_lora_and_trainable_subsets(tmp_path):
     }
     assert changed and all(any(t in n for t in ("q_proj", "k_proj", "v_proj", "o_proj")) for n in changed)
 
-    model = tiny_model()
+    model = train_model()
     config = tiny_config(tmp_path, model={"trainable": ["k_proj"]}, train={"max_steps": 2})
     train(config, model=model, dataset=tiny_dataset())
     changed = {

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from conftest import TRAIN, tiny_model
 
 import moba_hf
 from moba_hf.eval.passkey import QUESTION, build_prompt, passkey_line
@@ -139,27 +139,12 @@ def test_retrieval_document_matches_eval_prompt():
     assert docs[0].input_ids == retrieval_mixture(tok, 6, min_length=100, max_length=200, seed=3)[0].input_ids
 
 
-TINY = {
-    "llama": (LlamaForCausalLM, LlamaConfig),
-    "qwen3": (Qwen3ForCausalLM, Qwen3Config),
-}
+PROBE_ARCHS = ("llama", "qwen3")
 
 
 def tiny(arch, attn):
-    model_cls, config_cls = TINY[arch]
-    config = config_cls(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    )
-    model = model_cls(config).eval()
-    if attn == "moba":
-        moba_hf.apply(model, moba_hf.MobaConfig(block_size=8, top_k=2))
-    return model
+    moba = moba_hf.MobaConfig(block_size=8, top_k=2) if attn == "moba" else None
+    return tiny_model(arch, moba, dtype=torch.float32, head_dim=16, **TRAIN)
 
 
 def assert_documents_apart(model):
@@ -184,7 +169,7 @@ def assert_documents_apart(model):
 
 
 @pytest.mark.parametrize("attn", ["moba", "sdpa"])
-@pytest.mark.parametrize("arch", sorted(TINY))
+@pytest.mark.parametrize("arch", PROBE_ARCHS)
 def test_packed_row_never_attends_across_documents(arch, attn):
     assert_documents_apart(tiny(arch, attn))
 
@@ -198,7 +183,7 @@ def probe_distributed() -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     dist.init_process_group("gloo")
-    for arch in sorted(TINY):
+    for arch in PROBE_ARCHS:
         for attn in ("moba", "sdpa"):
             torch.manual_seed(0)  # the same weights and rows on every rank
             assert_documents_apart(DistributedDataParallel(tiny(arch, attn)))

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import train_model
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 from moba_hf.train.cli import load_config
 from moba_hf.train.trainer import train
@@ -37,16 +38,7 @@ PARAM_ATOL = STEPS * LR * 1.0 * N * EPS  # 1.0 = max_grad_norm
 
 def write_run(tmp_path: Path, **train_keys) -> Path:
     """A tiny saved Llama, 24 token-id documents and a run config over them: (path of the config)."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    train_model().save_pretrained(tmp_path / "model")
     g = torch.Generator().manual_seed(0)
     with open(tmp_path / "data.jsonl", "w") as f:
         for i in range(24):

@@ -11,7 +11,8 @@ import time
 
 import pytest
 import torch
-from test_train import WhatRan, tiny_config, tiny_dataset, tiny_model
+from conftest import train_model
+from test_train import WhatRan, tiny_config, tiny_dataset
 from test_train_distributed import ROOT, write_run
 from transformers import TrainerCallback
 
@@ -40,15 +41,15 @@ class StopAfterSave(TrainerCallback):
 def test_resumed_run_equals_an_uninterrupted_one(tmp_path):
     # 6 Adam steps over shuffled rows, MoBA for steps 0-2 then full; checkpoints at 2 and 4, stopped at 4
     sections = {"schedule": {"moba_fraction": 0.5}, "train": {"max_steps": 6, "save_steps": 2, "sparsity_every": 2}}
-    whole = train(tiny_config(tmp_path / "whole", **sections), model=tiny_model(), dataset=tiny_dataset())
+    whole = train(tiny_config(tmp_path / "whole", **sections), model=train_model(), dataset=tiny_dataset())
 
     config = tiny_config(tmp_path / "cut", **sections)
     with pytest.raises(Stop):
-        train(config, model=tiny_model(), dataset=tiny_dataset(), callbacks=[StopAfterSave(4)])
+        train(config, model=train_model(), dataset=tiny_dataset(), callbacks=[StopAfterSave(4)])
     assert last_checkpoint(config.train.output_dir).name == "checkpoint-4"
     probe = WhatRan()
     # other initial weights: the checkpoint's must replace them
-    resumed = train(config, model=tiny_model(seed=1), dataset=tiny_dataset(), callbacks=[probe], resume=True)
+    resumed = train(config, model=train_model(seed=1), dataset=tiny_dataset(), callbacks=[probe], resume=True)
 
     assert resumed.resumed_from.name == "checkpoint-4"
     assert resumed.losses == whole.losses and len(whole.losses) == 6  # exact: the same arithmetic in order
@@ -61,12 +62,12 @@ def test_resumed_run_equals_an_uninterrupted_one(tmp_path):
 
 def test_resume_without_a_checkpoint_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no whole checkpoint .* train.save_steps > 0"):
-        train(tiny_config(tmp_path), model=tiny_model(), dataset=tiny_dataset(), resume=True)
+        train(tiny_config(tmp_path), model=train_model(), dataset=tiny_dataset(), resume=True)
 
 
 def test_ctrl_c_during_a_checkpoint_write_waits_for_it(tmp_path):
     config = tiny_config(tmp_path, train={"max_steps": 4, "save_steps": 2})
-    trainer, _ = build_trainer(config, model=tiny_model(), dataset=tiny_dataset())
+    trainer, _ = build_trainer(config, model=train_model(), dataset=tiny_dataset())
     save_model = trainer.save_model
 
     def save_model_under_ctrl_c(*args, **kwargs):

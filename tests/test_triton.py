@@ -20,7 +20,7 @@ import sys
 
 import pytest
 import torch
-from kernel_cases import assert_propagates_like_reference, case_tol, flash_atol, moba_inputs, rounding_tol
+from kernel_cases import assert_propagates_like_reference, case_tol, flash_atol, moba_inputs, rounding_tol, selection
 from kernel_cases import fwd_bwd as _fwd_bwd
 from kernel_cases import gate_id as _gate_id
 from kernel_cases import shape_id as _id
@@ -153,10 +153,8 @@ def test_float16_within_twice_torch_error(triton_impl):
     half = [t.detach().half().requires_grad_() for t in (q, k, v)]
 
     def naive_fp16(q, k, v, **kw):
-        from moba_hf.kernels.common import selected_blocks
-
         nq, nk = q.shape[2], k.shape[2]
-        sel = selected_blocks(q, k, **kw)
+        sel = selection(q, k, **kw)
         key_pos = torch.arange(nk, device=q.device)
         q_pos = torch.arange(nk - nq, nk, device=q.device)
         allowed = sel[..., key_pos // kw["block_size"]] & (key_pos[None, :] <= q_pos[:, None])

@@ -196,17 +196,20 @@ class ResultStore:
     trial and checked on every later run: a re-run with other parameters, another model or a redefined
     setting name raises RunMismatch instead of mixing two experiments. trials.jsonl is append-only, one
     write per line; an incomplete last line (a killed process) is dropped on the next run.
+    out_dir None keeps the trials in memory only (a command that reports and forgets, like the demo).
     """
 
-    def __init__(self, out_dir: str | Path, task: str, params: dict[str, Any], model: dict[str, Any]):
-        self.out_dir = Path(out_dir)
-        if self.out_dir.exists() and not self.out_dir.is_dir():
-            raise RunMismatch(f"output directory {self.out_dir} is a file; give a directory")
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+    def __init__(self, out_dir: str | Path | None, task: str, params: dict[str, Any], model: dict[str, Any]):
         self.task, self.params, self.model = task, _jsonable(params), model
         self.settings: dict[str, dict[str, Any]] = {}
         self.failures: dict[str, str] = {}
         self.trials: dict[str, dict[str, Any]] = {}
+        self.out_dir = None if out_dir is None else Path(out_dir)
+        if self.out_dir is None:
+            return
+        if self.out_dir.exists() and not self.out_dir.is_dir():
+            raise RunMismatch(f"output directory {self.out_dir} is a file; give a directory")
+        self.out_dir.mkdir(parents=True, exist_ok=True)
         run = self.out_dir / RUN_FILE
         if run.is_file():
             self._check(json.loads(run.read_text()))
@@ -234,6 +237,8 @@ class ResultStore:
         self.settings = old.get("settings", {})
 
     def _write_run(self) -> None:
+        if self.out_dir is None:
+            return
         run = {"task": self.task, "model": self._identity(), "params": self.params, "settings": self.settings}
         atomic_write_text(self.out_dir / RUN_FILE, json.dumps(run, indent=1))
 
@@ -281,12 +286,13 @@ class ResultStore:
         return key in self.trials
 
     def add(self, record: dict[str, Any]) -> None:
-        line = (json.dumps(record) + "\n").encode()
-        fd = os.open(self.out_dir / TRIALS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, line)  # one write call: an interrupt lands before or after it, not inside
-        finally:
-            os.close(fd)
+        if self.out_dir is not None:
+            line = (json.dumps(record) + "\n").encode()
+            fd = os.open(self.out_dir / TRIALS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line)  # one write call: an interrupt lands before or after it, not inside
+            finally:
+                os.close(fd)
         self.trials[record["key"]] = record
 
     def records(self, settings: Sequence[Setting] | None = None) -> list[dict[str, Any]]:
@@ -294,6 +300,8 @@ class ResultStore:
         return [r for r in self.trials.values() if names is None or r["setting"] in names]
 
     def write(self, settings: Sequence[Setting], summary_md: str, extra: dict[str, Any] | None = None) -> Path:
+        if self.out_dir is None:
+            raise ValueError("this ResultStore keeps its trials in memory (out_dir None): nothing to write to")
         data = {
             "task": self.task,
             "model": self.model,

@@ -135,9 +135,6 @@ def _attend(
     if dense:
         sparsity.record_attention(layer, q, k.shape[2], "sdpa")
         return causal_attention(q, k, v, scale=scale)
-    gate = dict(pooling=config.pooling, sink_blocks=config.sink_blocks, local_blocks=config.local_blocks)
     backend = functools.partial(resolve_backend, config.backend, q, needs_grad=needs_grad(q, k, v))
     sparsity.record_attention(layer, q, k.shape[2], backend, config)
-    return moba_attention(
-        q, k, v, block_size=config.block_size, top_k=config.top_k, scale=scale, backend=config.backend, **gate
-    )
+    return moba_attention(q, k, v, scale=scale, backend=config.backend, **config.kernel_kwargs())

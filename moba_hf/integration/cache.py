@@ -303,19 +303,9 @@ def cached_step(
     if not decode or state is None or not state.contiguous_rows() or bool((state.counts < nq).any()):
         return None
     out, selected = moba_decode(
-        query,
-        key,
-        value,
-        state.block_keys(),
-        block_size=config.block_size,
-        top_k=config.top_k,
-        scale=scale,
-        pooling=config.pooling,
-        sink_blocks=config.sink_blocks,
-        local_blocks=config.local_blocks,
-        starts=state.starts,
-        return_selection=True,
-    )
+        query, key, value, state.block_keys(), scale=scale, starts=state.starts, return_selection=True,
+        **config.kernel_kwargs(),
+    )  # fmt: skip
     if sparsity.tracking():
         attended = sum(
             sparsity.attended_pairs(selected[r : r + 1], int(state.counts[r]), config.block_size)

@@ -129,10 +129,7 @@ class DcaRun:
         """q, k remapped by `remap_fresh` ([B, Hq, Nq, D], [B, Hkv, Nk, D]); config: the MobaConfig."""
         p = self.params
         nk = k.shape[2]
-        moba = {} if dense else dict(
-            block_size=config.block_size, top_k=config.top_k, pooling=config.pooling,
-            sink_blocks=config.sink_blocks, local_blocks=config.local_blocks,
-        )  # fmt: skip
+        moba = {} if dense else config.kernel_kwargs()
         # DCA's gate mixes query variants, but the rule (and so the count) is MoBA's
         sparsity.record_attention(layer, q, nk, "dca" if dense else "dca+moba", None if dense else config)
         return dca_attention(

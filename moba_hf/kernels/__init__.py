@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from .common import (
+    GateOptions,
     causal_attention,
     check_inputs,
     check_moba_args,
@@ -200,6 +201,7 @@ def moba_attention(
 __all__ = [
     "BACKENDS",
     "Backend",
+    "GateOptions",
     "backend_available",
     "causal_attention",
     "check_inputs",

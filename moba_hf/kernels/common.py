@@ -13,6 +13,7 @@ All backends select blocks through `selected_blocks`, so they agree on every tie
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import os
@@ -26,28 +27,47 @@ _MAX_PASS_PICKS = 2  # up to this many gated picks per query, repeated max passe
 POOLINGS = ("mean", "max", "mean+max", "bound")
 
 
-def check_moba_args(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    block_size: int,
-    top_k: int,
-    pooling: str = "mean",
-    sink_blocks: int = 0,
-    local_blocks: int = 0,
-) -> None:
-    """Raise ValueError naming the parameter, its value and the valid range for any bad argument."""
-    for name, value, low in (
-        ("block_size", block_size, 1),
-        ("top_k", top_k, 1),
-        ("sink_blocks", sink_blocks, 0),
-        ("local_blocks", local_blocks, 0),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    if pooling not in POOLINGS:
-        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+def _check_count(name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GateOptions:
+    """How the gate scores blocks and which blocks it forces, beyond block_size / top_k (see `MobaConfig`).
+
+    pooling:      how a block's keys are pooled for its score, one of `POOLINGS`
+    sink_blocks:  the first n blocks, always attended
+    local_blocks: the n blocks before the query's own, always attended
+    """
+
+    pooling: str = "mean"
+    sink_blocks: int = 0
+    local_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        _check_count("sink_blocks", self.sink_blocks, 0)
+        _check_count("local_blocks", self.local_blocks, 0)
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
+
+    def reaches_back(self, top_k: int) -> bool:
+        """Whether some query may attend a block before its own (else each query sees its own block only)."""
+        return top_k > 1 or self.sink_blocks > 0 or self.local_blocks > 0
+
+    def as_kwargs(self) -> dict[str, object]:
+        """The public functions' keywords (`pooling=`, `sink_blocks=`, `local_blocks=`)."""
+        return dataclasses.asdict(self)
+
+
+DEFAULT_GATE = GateOptions()  # the paper's gate: mean pooling, no forced blocks
+
+
+def check_moba_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: int, top_k: int) -> None:
+    """Raise ValueError naming the parameter, its value and the valid range for any bad argument (the gate's
+    options are checked by `GateOptions`)."""
+    _check_count("block_size", block_size, 1)
+    _check_count("top_k", top_k, 1)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
@@ -172,9 +192,7 @@ def selected_blocks(
     *,
     block_size: int,
     top_k: int,
-    pooling: str = "mean",
-    sink_blocks: int = 0,
-    local_blocks: int = 0,
+    gate: GateOptions = DEFAULT_GATE,
     q_start: int | None = None,
     pooled: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -195,15 +213,14 @@ def selected_blocks(
         # blocks after the last query's block are never chosen: score only up to it (halves a prefill's gate work)
         seen = (start + nq - 1) // block_size + 1
         if top_k > 1 and pooled is None:
-            pooled = pooled_keys(k[:, :, : seen * block_size], block_size, pooling)
+            pooled = pooled_keys(k[:, :, : seen * block_size], block_size, gate.pooling)
         chosen = choose_blocks(
             current,
             seen,
-            lambda: gate_scores(q, k, block_size, pooling, pooled[:, :, :seen]),
+            lambda: gate_scores(q, k, block_size, gate.pooling, pooled[:, :, :seen]),
             batch_heads=(q.shape[0], q.shape[1]),
             top_k=top_k,
-            sink_blocks=sink_blocks,
-            local_blocks=local_blocks,
+            gate=gate,
         )
         return chosen if seen == nb else F.pad(chosen, (0, nb - seen))
 
@@ -215,15 +232,16 @@ def choose_blocks(
     *,
     batch_heads: tuple[int, int],
     top_k: int,
-    sink_blocks: int,
-    local_blocks: int,
+    gate: GateOptions,
 ) -> torch.Tensor:
     """The MoBA selection rule, given each query's current block [Nq] and its gate scores.
 
     `scores()` returns [B, Hq, Nq, n_blocks] and is called only when some block is gated (top_k > 1). Returns
     bool [B, Hq, Nq, n_blocks]: the current block, forced sink / local blocks before it, and the top_k - 1
-    best-scoring other earlier blocks. Shared by plain MoBA and DCA (whose scores mix query variants).
+    best-scoring other earlier blocks. Shared by plain MoBA and DCA (whose scores mix query variants);
+    `gate.pooling` is already in the scores.
     """
+    sink_blocks, local_blocks = gate.sink_blocks, gate.local_blocks
     blk = torch.arange(n_blocks, device=current.device)
     earlier = blk[None, :] < current[:, None]  # [Nq, nb]
     forced = blk[None, :] == current[:, None]
@@ -258,9 +276,7 @@ def selection_slices(
     *,
     block_size: int,
     top_k: int,
-    pooling: str,
-    sink_blocks: int,
-    local_blocks: int,
+    gate: GateOptions,
     slice_rows: int,
 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """`selected_blocks` over query slices of `slice_rows` (bounds the gate scores held at once).
@@ -272,7 +288,7 @@ def selection_slices(
     start = nk - nq
     block_size = effective_block_size(block_size, nk)
     blk = torch.arange(num_blocks(nk, block_size), device=q.device)
-    pooled = pooled_keys(k, block_size, pooling) if top_k > 1 else None
+    pooled = pooled_keys(k, block_size, gate.pooling) if top_k > 1 else None
     for a in range(0, nq, slice_rows):
         n = min(slice_rows, nq - a)
         selected = selected_blocks(
@@ -280,9 +296,7 @@ def selection_slices(
             k,
             block_size=block_size,
             top_k=top_k,
-            pooling=pooling,
-            sink_blocks=sink_blocks,
-            local_blocks=local_blocks,
+            gate=gate,
             q_start=start + a,
             pooled=pooled,
         )
@@ -377,14 +391,16 @@ def value_hits(
     return hits
 
 
-def moba_allowed(q: torch.Tensor, k: torch.Tensor, **gate) -> Callable[[int, int], torch.Tensor]:
-    """`value_hits`' allowed(a, n) for MoBA: the shared selection, causal (gate: block_size, top_k, pooling, ...)."""
+def moba_allowed(
+    q: torch.Tensor, k: torch.Tensor, *, block_size: int, top_k: int, gate: GateOptions
+) -> Callable[[int, int], torch.Tensor]:
+    """`value_hits`' allowed(a, n) for MoBA: the shared selection, causal."""
     nq, nk = q.shape[2], k.shape[2]
-    block_size = effective_block_size(gate["block_size"], nk)
+    block_size = effective_block_size(block_size, nk)
     key_block = torch.arange(nk, device=q.device) // block_size
 
     def allowed(a: int, n: int) -> torch.Tensor:
-        sel = selected_blocks(q[:, :, a : a + n], k, q_start=nk - nq + a, **gate)
+        sel = selected_blocks(q[:, :, a : a + n], k, block_size=block_size, top_k=top_k, gate=gate, q_start=nk - nq + a)
         q_pos = torch.arange(nk - nq + a, nk - nq + a + n, device=q.device)
         return sel[..., key_block] & (torch.arange(nk, device=q.device)[None, :] <= q_pos[:, None])
 
@@ -459,15 +475,25 @@ def needs_finite_key_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return needs_grad(q, k, v) and not all_finite(k)
 
 
-def route_nonfinite(attend: Callable[..., torch.Tensor], q, k, v, *, scale, **gate) -> torch.Tensor | None:
-    """For kernels that cannot carry NaN / inf themselves: the result of `attend(q, k, v, scale=, **gate)` with
-    NaN / inf propagated exactly as in the reference, or None when the inputs need no such care."""
+def propagate_moba_nonfinite(
+    attend: Callable[..., torch.Tensor], q, k, v, *, scale, block_size: int, top_k: int, gate: GateOptions
+) -> torch.Tensor:
+    """`propagate_nonfinite` for a backend `attend` (the public signature) under MoBA's selection."""
+    kw = dict(scale=scale, block_size=block_size, top_k=top_k, **gate.as_kwargs())
+    allowed = moba_allowed(q, k, block_size=block_size, top_k=top_k, gate=gate)
+    return propagate_nonfinite(lambda q_, v_: attend(q_, k, v_, **kw), q, v, allowed)
+
+
+def route_nonfinite(
+    attend: Callable[..., torch.Tensor], q, k, v, *, scale, block_size: int, top_k: int, gate: GateOptions
+) -> torch.Tensor | None:
+    """For kernels that cannot carry NaN / inf themselves: the result of the backend `attend` (the public
+    signature) with NaN / inf propagated exactly as in the reference, or None when the inputs need no such care."""
     if has_nonfinite(q, v):
-        return propagate_nonfinite(
-            lambda q_, v_: attend(q_, k, v_, scale=scale, **gate), q, v, moba_allowed(q, k, **gate)
-        )
+        return propagate_moba_nonfinite(attend, q, k, v, scale=scale, block_size=block_size, top_k=top_k, gate=gate)
     if needs_finite_key_gradients(q, k, v):
-        return finite_key_gradients(lambda k_: attend(q, k_, v, scale=scale, **gate), k)
+        kw = dict(scale=scale, block_size=block_size, top_k=top_k, **gate.as_kwargs())
+        return finite_key_gradients(lambda k_: attend(q, k_, v, **kw), k)
     return None
 
 

@@ -20,6 +20,8 @@ import numbers
 import torch
 
 from .common import (
+    DEFAULT_GATE,
+    GateOptions,
     all_finite,
     causal_attention,
     check_inputs,
@@ -73,9 +75,7 @@ def dca_selected_blocks(
     chunk_size: int,
     block_size: int,
     top_k: int,
-    pooling: str = "mean",
-    sink_blocks: int = 0,
-    local_blocks: int = 0,
+    gate: GateOptions = DEFAULT_GATE,
 ) -> torch.Tensor:
     """MoBA selection under DCA: bool [B, Hq, Nq, n_blocks].
 
@@ -90,7 +90,8 @@ def dca_selected_blocks(
         # block b's score uses the query variant of b's region (own / previous / older chunk)
         which = region(q_index[:, None], torch.arange(nb, device=device)[None, :] * block_size, chunk_size)
         which = which.clamp(max=len(variants) - 1)  # regions without a variant hold no earlier block
-        per_variant = torch.stack([gate_scores(qv, k, block_size, pooling) for qv in variants])  # [V, B, Hq, Nq, nb]
+        # [V, B, Hq, Nq, nb]
+        per_variant = torch.stack([gate_scores(qv, k, block_size, gate.pooling) for qv in variants])
         return per_variant.gather(0, which.expand_as(per_variant[:1]))[0]
 
     with torch.no_grad():
@@ -101,8 +102,7 @@ def dca_selected_blocks(
             scores,
             batch_heads=(variants[0].shape[0], variants[0].shape[1]),
             top_k=top_k,
-            sink_blocks=sink_blocks,
-            local_blocks=local_blocks,
+            gate=gate,
         )
 
 
@@ -133,34 +133,29 @@ def dca_attention(
     check_inputs(q, k, v, scale)
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 < temperature < math.inf:
         raise ValueError(f"temperature must be a finite number > 0 (1.0 = off), got {temperature!r}")
+    gate = None if block_size is None else GateOptions(pooling, sink_blocks, local_blocks)
     if block_size is None:
         check_moba_args(q, k, v, block_size=1, top_k=1)
     else:
-        check_moba_args(
-            q, k, v, block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks,
-            local_blocks=local_blocks,
-        )  # fmt: skip
+        check_moba_args(q, k, v, block_size=block_size, top_k=top_k)
         if chunk_size % block_size:
             raise ValueError(f"chunk_size ({chunk_size}) must be a multiple of block_size ({block_size})")
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     _check_dca(pretraining_length, chunk_size, inv_freq, d)
+    s, g = chunk_size, hq // hkv
+    dtype = gate_dtype(q.dtype)
+    variants = query_variants(q, nk, pretraining_length, s, inv_freq, dtype)
+    selected = None
+    if gate is not None:
+        selected = dca_selected_blocks(variants, k, chunk_size=s, block_size=block_size, top_k=top_k, gate=gate)
     if has_nonfinite(q, v):  # the kernels' NaN / inf rule (see kernels.common.propagate_nonfinite)
         args = dict(pretraining_length=pretraining_length, chunk_size=chunk_size, inv_freq=inv_freq, scale=scale,
                     temperature=temperature, block_size=block_size, top_k=top_k, pooling=pooling,
                     sink_blocks=sink_blocks, local_blocks=local_blocks)  # fmt: skip
-        return propagate_nonfinite(lambda q_, v_: dca_attention(q_, k, v_, **args), q, v, _allowed(q, k, args))
-    s, g = chunk_size, hq // hkv
+        allowed = _allowed(q, k, selected, block_size)  # the selection of the original q, as the reference's
+        return propagate_nonfinite(lambda q_, v_: dca_attention(q_, k, v_, **args), q, v, allowed)
     scale = (d**-0.5 if scale is None else scale) * temperature
-    dtype = gate_dtype(q.dtype)
-
-    variants = query_variants(q, nk, pretraining_length, s, inv_freq, dtype)
-    selected = None
-    if block_size is not None:
-        selected = dca_selected_blocks(
-            variants, k, chunk_size=s, block_size=block_size, top_k=top_k, pooling=pooling,
-            sink_blocks=sink_blocks, local_blocks=local_blocks,
-        )  # fmt: skip
     # inference on CPU: fused pieces merged by log-sum-exp (dense: one call per part; MoBA: the torch kernel's
     # gathered blocks, each reading the query variant of its region)
     fast = fused_available(q) and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
@@ -200,19 +195,10 @@ def dca_attention(
     return torch.cat(outputs, dim=2).to(q.dtype)
 
 
-def _allowed(q: torch.Tensor, k: torch.Tensor, args: dict):
-    """allowed(a, n) -> bool [B, Hq, n, Nk]: the keys DCA query rows a .. a + n - 1 attend (for NaN / inf values)."""
+def _allowed(q: torch.Tensor, k: torch.Tensor, selected: torch.Tensor | None, block_size: int | None):
+    """allowed(a, n) -> bool [B, Hq, n, Nk]: the keys DCA query rows a .. a + n - 1 attend (for NaN / inf values),
+    given the MoBA selection (None: dense DCA)."""
     nq, nk = q.shape[2], k.shape[2]
-    block_size = args["block_size"]
-    selected = None
-    if block_size is not None:
-        variants = query_variants(
-            q, nk, args["pretraining_length"], args["chunk_size"], args["inv_freq"], gate_dtype(q.dtype)
-        )
-        selected = dca_selected_blocks(
-            variants, k, chunk_size=args["chunk_size"], block_size=block_size, top_k=args["top_k"],
-            pooling=args["pooling"], sink_blocks=args["sink_blocks"], local_blocks=args["local_blocks"],
-        )  # fmt: skip
 
     def allowed(a: int, n: int) -> torch.Tensor:
         q_pos = torch.arange(nk - nq + a, nk - nq + a + n, device=q.device)

@@ -13,9 +13,12 @@ the blocks prefill would pick for a query at the same position, ties included.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .common import (
+    GateOptions,
     check_inputs,
     check_moba_args,
     gate_dtype,
@@ -35,24 +38,20 @@ def check_decode_args(
     *,
     block_size: int,
     top_k: int,
-    pooling: str,
-    sink_blocks: int,
-    local_blocks: int,
+    gate: GateOptions,
     starts: torch.Tensor | None,
     scale: object = None,
 ) -> None:
     check_inputs(q, k, v, scale)
-    check_moba_args(
-        q, k, v, block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
-    )
+    check_moba_args(q, k, v, block_size=block_size, top_k=top_k)
     if block_keys.dim() != 4:
         raise ValueError(f"block_keys must be 4-D, got shape {tuple(block_keys.shape)}")
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
-    width = gate_width(d, pooling)
+    width = gate_width(d, gate.pooling)
     if block_keys.shape[:2] != (b, hkv) or block_keys.shape[3] != width:
         raise ValueError(
-            f"block_keys must be [B={b}, Hkv={hkv}, n_blocks, {width}] for pooling={pooling!r}, "
+            f"block_keys must be [B={b}, Hkv={hkv}, n_blocks, {width}] for pooling={gate.pooling!r}, "
             f"got {tuple(block_keys.shape)}"
         )
     if starts is not None and (starts.shape != (b,) or bool((starts < 0).any()) or bool((nk - starts < nq).any())):
@@ -66,9 +65,7 @@ def decode_selection(
     *,
     block_size: int,
     top_k: int,
-    pooling: str = "mean",
-    sink_blocks: int = 0,
-    local_blocks: int = 0,
+    gate: GateOptions,
 ) -> torch.Tensor:
     """Blocks each query attends: bool [B, Hq, Nq, n_blocks] (n_blocks = block_keys.shape[2]).
 
@@ -77,7 +74,8 @@ def decode_selection(
     """
     b, hq, nq, _ = q.shape
     nb = block_keys.shape[2]
-    gate_q = gate_queries(q, pooling)  # one dot product with the pooled keys gives the gate score
+    gate_q = gate_queries(q, gate.pooling)  # one dot product with the pooled keys gives the gate score
+    pooled_gate = dataclasses.replace(gate, pooling="mean")  # the mean of one key is that key
     out = torch.zeros(b, hq, nq, nb, dtype=torch.bool, device=q.device)
     for i in range(nq):
         # rows whose query i sits in the same block select together (usually all rows)
@@ -90,9 +88,7 @@ def decode_selection(
                 block_keys[index, :, : c + 1],
                 block_size=1,  # one pooled key per block: the gate sees the same scores as in prefill
                 top_k=top_k,
-                pooling="mean",  # the mean of one key is that key
-                sink_blocks=sink_blocks,
-                local_blocks=local_blocks,
+                gate=pooled_gate,
                 q_start=c,
             )
             out[index, :, i : i + 1, : c + 1] = sel
@@ -125,19 +121,8 @@ def moba_decode(
     Returns [B, Hq, Nq, D] in q's dtype (and the selection [B, Hq, Nq, n_blocks] if `return_selection`):
     exactly `moba_attention(q_b, k_b, v_b, ...)` for every row's sequence, with `block_keys` as the gate's keys.
     """
-    check_decode_args(
-        q,
-        k,
-        v,
-        block_keys,
-        block_size=block_size,
-        top_k=top_k,
-        pooling=pooling,
-        sink_blocks=sink_blocks,
-        local_blocks=local_blocks,
-        starts=starts,
-        scale=scale,
-    )
+    gate = GateOptions(pooling, sink_blocks, local_blocks)
+    check_decode_args(q, k, v, block_keys, block_size=block_size, top_k=top_k, gate=gate, starts=starts, scale=scale)
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     scale = d**-0.5 if scale is None else scale
@@ -150,14 +135,7 @@ def moba_decode(
     if block_keys.shape[2] < needed:
         raise ValueError(f"block_keys has {block_keys.shape[2]} blocks, the sequences need {needed}")
     selected = decode_selection(
-        q,
-        block_keys[:, :, :needed],
-        lengths,
-        block_size=block_size,
-        top_k=top_k,
-        pooling=pooling,
-        sink_blocks=sink_blocks,
-        local_blocks=local_blocks,
+        q, block_keys[:, :, :needed], lengths, block_size=block_size, top_k=top_k, gate=gate
     )  # [B, Hq, Nq, nb]
 
     # per KV head, the union of the blocks its query heads selected: each is copied once and shared by the group

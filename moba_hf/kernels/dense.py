@@ -1,5 +1,5 @@
-"""Dense attention pieces that merge through their log-sum-exp: MoBA's own / gated blocks (`torch_impl`) and
-DCA's key parts (`dca`) are each a dense attention of some queries over some keys, and the pieces of one row
+"""Dense attention pieces that merge through their log-sum-exp: MoBA's own / gated blocks (`torch_impl`, `flash`)
+and DCA's key parts (`dca`) are each a dense attention of some queries over some keys, and the pieces of one row
 combine as ``out = sum_p exp(lse_p - lse) out_p`` with ``lse = log sum_p exp(lse_p)``.
 
 On CPU the fused flash-attention op does a piece in one call (forward and backward, it returns the log-sum-exp);
@@ -113,6 +113,22 @@ def merge_lse_(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l_: torch.
     l_new = torch.logaddexp(lse, l_)
     out.mul_((lse - l_new).exp_()[..., None]).add_(o.mul_((l_ - l_new).exp_()[..., None]))
     lse.copy_(l_new)
+
+
+def merge_lse_rows(
+    out: torch.Tensor, lse: torch.Tensor, piece_out: torch.Tensor, piece_lse: torch.Tensor, rows: torch.Tensor
+) -> torch.Tensor:
+    """`merge_lse_` for pieces scattered over rows, out of place (autograd flows through every input).
+
+    out [R, D], lse [R]: each row's first piece; piece_out [P, D], piece_lse [P]: pieces of rows `rows` [P] (a row
+    may have several). Returns the merged [R, D] in lse's dtype.
+    """
+    with torch.no_grad():  # the max only keeps exp() in range
+        top = lse.detach().scatter_reduce(0, rows, piece_lse.detach(), "amax")
+    total = top + (lse - top).exp().index_add(0, rows, (piece_lse - top[rows]).exp()).log()
+    return (out.to(lse.dtype) * (lse - total).exp()[:, None]).index_add(
+        0, rows, piece_out.to(lse.dtype) * (piece_lse - total[rows]).exp()[:, None]
+    )
 
 
 def partial_attention(

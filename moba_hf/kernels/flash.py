@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .common import (
+    GateOptions,
     check_moba_args,
     effective_block_size,
     flash_attn_takes,
@@ -36,6 +37,7 @@ from .common import (
     route_nonfinite,
     selection_slices,
 )
+from .dense import merge_lse_rows
 
 try:
     import flash_attn
@@ -73,7 +75,7 @@ def _attend(q, k, v, q_lens, k_lens, scale, causal, surrogate):
     return out, lse
 
 
-def _gated_rows(q, k, block_size, top_k, pooling, sink_blocks, local_blocks) -> tuple[torch.Tensor, torch.Tensor]:
+def _gated_rows(q, k, block_size: int, top_k: int, gate: GateOptions) -> tuple[torch.Tensor, torch.Tensor]:
     """Every gated (row, key block) pair sorted by block: rows flat over [B, Hkv, Nq, group], blocks flat over
     [B, Hkv, n_blocks]."""
     b, hq, nq, _ = q.shape
@@ -81,8 +83,7 @@ def _gated_rows(q, k, block_size, top_k, pooling, sink_blocks, local_blocks) -> 
     g = hq // hkv
     rows, blocks = [], []
     per = max(1, _GATE_ELEMENTS // (b * hq * nb))
-    gate = dict(pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks)
-    for a, _, earlier in selection_slices(q, k, block_size=block_size, top_k=top_k, slice_rows=per, **gate):
+    for a, _, earlier in selection_slices(q, k, block_size=block_size, top_k=top_k, gate=gate, slice_rows=per):
         ib, ih, iq, ij = earlier.nonzero().unbind(1)
         kv = ib * hkv + ih // g
         rows.append((kv * nq + iq + a) * g + ih % g)
@@ -108,17 +109,15 @@ def moba_attention_flash(
 
     q: [B, Hq, Nq, D]; k, v: [B, Hkv, Nk, D]; returns [B, Hq, Nq, D] in q's dtype. Needs CUDA fp16/bf16 tensors.
     """
-    check_moba_args(
-        q, k, v, block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
-    )
+    gate = GateOptions(pooling, sink_blocks, local_blocks)
+    check_moba_args(q, k, v, block_size=block_size, top_k=top_k)
     block_size = effective_block_size(block_size, k.shape[2])  # bounded by the sequence
     if not flash_attn_takes(q):
         raise ValueError(
             "backend 'flash' needs CUDA float16/bfloat16 tensors with head_dim <= 256 on an sm80+ GPU, got "
             f"device {q.device}, dtype {q.dtype}, head_dim {q.shape[-1]}"
         )
-    gate = dict(block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks)
-    guarded = route_nonfinite(moba_attention_flash, q, k, v, scale=scale, **gate)
+    guarded = route_nonfinite(moba_attention_flash, q, k, v, scale=scale, block_size=block_size, top_k=top_k, gate=gate)
     if guarded is not None:
         return guarded
     b, hq, nq, d = q.shape
@@ -135,11 +134,7 @@ def moba_attention_flash(
         ends = (firsts + bs).clamp_(max=nk)
         own_q = (ends - firsts.clamp(min=start)).repeat(b * hkv)
         own_k = (ends - firsts).repeat(b * hkv)
-        rows, blocks = (
-            _gated_rows(q, k, bs, top_k, pooling, sink_blocks, local_blocks)
-            if top_k > 1 or sink_blocks or local_blocks
-            else (None, None)
-        )
+        rows, blocks = _gated_rows(q, k, bs, top_k, gate) if gate.reaches_back(top_k) else (None, None)
     merge = rows is not None and rows.numel() > 0
     k, v = k.to(q.dtype), v.to(q.dtype)  # after the gate, which pools k in its own dtype like the reference
     surrogate = merge and exact_lse_gradient and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
@@ -159,13 +154,6 @@ def moba_attention_flash(
     counts = torch.bincount(blocks, minlength=b * hkv * nb)
     out_g, lse_g = _attend(q_gated, k_flat, v_flat, counts, block_k.repeat(b * hkv), scale, False, surrogate)
 
-    # log-sum-exp merge in float32 (float64 stays float64); the max only keeps exp() in range
-    dtype = gate_dtype(q.dtype)
-    lse, lse_g = lse.reshape(-1), lse_g.reshape(-1)
-    with torch.no_grad():
-        top = lse.detach().scatter_reduce(0, rows, lse_g.detach(), "amax")
-    total = top + (lse - top).exp().index_add(0, rows, (lse_g - top[rows]).exp()).log()
-    merged = (out.reshape(-1, d).to(dtype) * (lse - total).exp()[:, None]).index_add(
-        0, rows, out_g.reshape(-1, d).to(dtype) * (lse_g - total[rows]).exp()[:, None]
-    )
+    # in lse's float32 (float64 stays float64)
+    merged = merge_lse_rows(out.reshape(-1, d), lse.reshape(-1), out_g.reshape(-1, d), lse_g.reshape(-1), rows)
     return merged.to(q.dtype).view(b, hkv, nq, g, d).transpose(2, 3).reshape(b, hq, nq, d)

@@ -15,14 +15,15 @@ from __future__ import annotations
 import torch
 
 from .common import (
+    DEFAULT_GATE,
+    GateOptions,
     all_finite,
     check_moba_args,
     effective_block_size,
     has_nonfinite,
-    moba_allowed,
     needs_grad,
     num_blocks,
-    propagate_nonfinite,
+    propagate_moba_nonfinite,
     selection_slices,
 )
 from .torch_impl import moba_attention_torch
@@ -50,14 +51,14 @@ def _kv_tile(block_size: int) -> int:
     return block_size if block_size % 128 == 0 else 128
 
 
-def _selection(q, k, block_size, top_k, pooling, sink_blocks, local_blocks):
+def _selection(q, k, block_size: int, top_k: int, gate: GateOptions):
     """(picks [B, Hq, Nq, S] int32: earlier blocks each query picked, -1 = none; tiles [B, Hq, n_qtiles, n_kvtiles])."""
     b, hq, nq, _ = q.shape
     nk = k.shape[2]
     nb = num_blocks(nk, block_size)
     kv_tile = _kv_tile(block_size)
     n_kvt = -(-nk // kv_tile)
-    slots = max(1, min(nb, top_k - 1 + sink_blocks + local_blocks))
+    slots = max(1, min(nb, top_k - 1 + gate.sink_blocks + gate.local_blocks))
     # block j overlaps kv tile u
     first_key = torch.arange(nb, device=q.device) * block_size
     last_key = (first_key + block_size).clamp(max=nk) - 1
@@ -66,8 +67,7 @@ def _selection(q, k, block_size, top_k, pooling, sink_blocks, local_blocks):
     )
     picks, tiles = [], []
     per = max(_Q_TILE, _GATE_ELEMENTS // (b * hq * nb) // _Q_TILE * _Q_TILE)
-    gate = dict(pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks)
-    for _, sel, earlier in selection_slices(q, k, block_size=block_size, top_k=top_k, slice_rows=per, **gate):
+    for _, sel, earlier in selection_slices(q, k, block_size=block_size, top_k=top_k, gate=gate, slice_rows=per):
         n = sel.shape[2]
         # the selected block ids first (descending key), -1 where fewer than `slots` were picked
         key = torch.where(earlier, torch.arange(nb, device=q.device, dtype=torch.int32), -1)
@@ -99,14 +99,12 @@ def moba_block_mask(
     *,
     block_size: int,
     top_k: int,
-    pooling: str = "mean",
-    sink_blocks: int = 0,
-    local_blocks: int = 0,
+    gate: GateOptions = DEFAULT_GATE,
 ) -> BlockMask:
     """The FlexAttention BlockMask of MoBA for these queries and keys (queries = the last Nq positions)."""
     b, hq, nq, _ = q.shape
     nk = k.shape[2]
-    picks, tiles = _selection(q, k, block_size, top_k, pooling, sink_blocks, local_blocks)
+    picks, tiles = _selection(q, k, block_size, top_k, gate)
     kv_num = tiles.sum(dim=-1, dtype=torch.int32)
     kv_idx = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
     return BlockMask.from_kv_blocks(
@@ -134,30 +132,19 @@ def moba_attention_flex(
 
     q: [B, Hq, Nq, D]; k, v: [B, Hkv, Nk, D]; returns [B, Hq, Nq, D] in q's dtype; differentiable in q, k, v.
     """
-    check_moba_args(
-        q, k, v, block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
-    )
+    gate = GateOptions(pooling, sink_blocks, local_blocks)
+    check_moba_args(q, k, v, block_size=block_size, top_k=top_k)
     block_size = effective_block_size(block_size, k.shape[2])  # bounded by the sequence
-    gate = dict(block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks)
+    moba = dict(block_size=block_size, top_k=top_k, gate=gate)
     if has_nonfinite(q, v):
-        return propagate_nonfinite(
-            lambda q_, v_: moba_attention_flex(q_, k, v_, scale=scale, **gate), q, v, moba_allowed(q, k, **gate)
-        )
+        return propagate_moba_nonfinite(moba_attention_flex, q, k, v, scale=scale, **moba)
     if not all_finite(k):  # compiled FlexAttention (CPU) drops NaN scores: the row would hide the NaN
-        return moba_attention_torch(q, k, v, scale=scale, **gate)
+        return moba_attention_torch(q, k, v, block_size=block_size, top_k=top_k, scale=scale, **gate.as_kwargs())
     if needs_grad(q, k, v) and q.device.type == "cpu":  # the registry sends such calls to another backend
         raise ValueError(
             "backend 'flex' has no CPU backward: use backend 'torch' (or 'auto') when gradients are needed"
         )
     with torch.no_grad():
-        mask = moba_block_mask(
-            q,
-            k,
-            block_size=block_size,
-            top_k=top_k,
-            pooling=pooling,
-            sink_blocks=sink_blocks,
-            local_blocks=local_blocks,
-        )
+        mask = moba_block_mask(q, k, **moba)
     out = _flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out.to(q.dtype)

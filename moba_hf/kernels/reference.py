@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_moba_args, effective_block_size, gate_dtype, masked_matmul, selected_blocks
+from .common import GateOptions, check_moba_args, effective_block_size, gate_dtype, masked_matmul, selected_blocks
 
 
 def moba_attention_reference(
@@ -24,17 +24,14 @@ def moba_attention_reference(
     q: [B, Hq, Nq, D]; k, v: [B, Hkv, Nk, D] with Hq % Hkv == 0 and Nq <= Nk (queries are the last Nq
     positions). Returns [B, Hq, Nq, D] in q's dtype. Softmax in float32 (float64 stays float64).
     """
-    check_moba_args(
-        q, k, v, block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
-    )
+    gate = GateOptions(pooling, sink_blocks, local_blocks)
+    check_moba_args(q, k, v, block_size=block_size, top_k=top_k)
     block_size = effective_block_size(block_size, k.shape[2])  # bounded by the sequence
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     scale = d**-0.5 if scale is None else scale
 
-    blocks = selected_blocks(
-        q, k, block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
-    )  # [B, Hq, Nq, n_blocks]
+    blocks = selected_blocks(q, k, block_size=block_size, top_k=top_k, gate=gate)  # [B, Hq, Nq, n_blocks]
     key_pos = torch.arange(nk, device=q.device)
     query_pos = torch.arange(nk - nq, nk, device=q.device)
     allowed = blocks[..., key_pos // block_size] & (key_pos[None, :] <= query_pos[:, None])  # [B, Hq, Nq, Nk]

@@ -20,14 +20,14 @@ from __future__ import annotations
 import torch
 
 from .common import (
+    GateOptions,
     all_finite,
     check_moba_args,
     effective_block_size,
     gate_dtype,
     has_nonfinite,
-    moba_allowed,
     num_blocks,
-    propagate_nonfinite,
+    propagate_moba_nonfinite,
     selection_slices,
 )
 from .dense import attention_with_lse, attention_with_lse_backward, fused_available, fused_if, merge_lse_
@@ -382,10 +382,10 @@ class _MobaTorch(torch.autograd.Function):
         def run(first: int, end: int):
             qp, kp, vp = _part(q, first, end), _prefix(k, end, nq), _prefix(v, end, nq)
             earlier = None
-            if top_k > 1 or gate["sink_blocks"] or gate["local_blocks"]:
+            if gate.reaches_back(top_k):
                 b, hq, nb = q.shape[0], q.shape[1], num_blocks(kp.shape[2], block_size)
                 per = max(1, _GATE_ELEMENTS * (1 if q.device.type == "cpu" else _GPU_SCALE) // (b * hq * nb))
-                slices = selection_slices(qp, kp, block_size=block_size, top_k=top_k, slice_rows=per, **gate)
+                slices = selection_slices(qp, kp, block_size=block_size, top_k=top_k, gate=gate, slice_rows=per)
                 earlier = ((a, gated) for a, _, gated in slices)
             plan = _Plan(qp, kp, block_size, earlier)
             with fused_if(plan.finite_keys):
@@ -441,23 +441,18 @@ def moba_attention_torch(
 
     q: [B, Hq, Nq, D]; k, v: [B, Hkv, Nk, D]; returns [B, Hq, Nq, D] in q's dtype.
     """
-    check_moba_args(
-        q, k, v, block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
-    )
+    gate = GateOptions(pooling, sink_blocks, local_blocks)
+    check_moba_args(q, k, v, block_size=block_size, top_k=top_k)
     block_size = effective_block_size(block_size, k.shape[2])  # bounded by the sequence
     if has_nonfinite(q, v):
-        gate = dict(
-            block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
-        )
-        return propagate_nonfinite(
-            lambda q_, v_: moba_attention_torch(q_, k, v_, scale=scale, **gate), q, v, moba_allowed(q, k, **gate)
+        return propagate_moba_nonfinite(
+            moba_attention_torch, q, k, v, scale=scale, block_size=block_size, top_k=top_k, gate=gate
         )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     # transformers hands over [B, N, H, D] transposed views; gathering rows of strided tensors is several times
     # slower than one copy (with block 64 it made an 8K forward 1.7x slower)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     parts = query_parts(q.shape[2], k.shape[2], block_size, worker_count(q.device))
-    gate = dict(pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks)
     return _MobaTorch.apply(q, k, v, parts, block_size, top_k, gate, scale)
 
 

@@ -25,6 +25,7 @@ import contextlib
 import torch
 
 from .common import (
+    GateOptions,
     check_moba_args,
     cuda_or_triton_interpreter,
     effective_block_size,
@@ -189,7 +190,7 @@ def _bwd_kernel(
     tl.atomic_add(DQ + row_flat[:, None] * HEAD_DIM + dims[None, :], dq * scale, mask=mask)
 
 
-def _slot_lists(q, k, *, block_size, top_k, pooling, sink_blocks, local_blocks) -> torch.Tensor:
+def _slot_lists(q, k, *, block_size: int, top_k: int, gate: GateOptions) -> torch.Tensor:
     """[B, Hq, Nq, S] int32: the blocks each query attends, ascending, padded with -1.
 
     Built in query slices (`q_start` keeps each slice's selection equal to the whole's) so the boolean
@@ -199,12 +200,11 @@ def _slot_lists(q, k, *, block_size, top_k, pooling, sink_blocks, local_blocks) 
     nk = k.shape[2]
     nb = num_blocks(nk, block_size)
     # own block + forced sink / local blocks + top_k - 1 picks can never exceed this
-    n_slots = max(1, min(nb, top_k + sink_blocks + local_blocks))
+    n_slots = max(1, min(nb, top_k + gate.sink_blocks + gate.local_blocks))
     slots = torch.empty(b, hq, nq, n_slots, dtype=torch.int32, device=q.device)
     block_ids = torch.arange(nb, dtype=torch.int32, device=q.device)
     rows = max(1, _GATE_ELEMENTS // max(1, b * hq * nb))
-    gate = dict(pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks)
-    for s, sel, _ in selection_slices(q, k, block_size=block_size, top_k=top_k, slice_rows=rows, **gate):
+    for s, sel, _ in selection_slices(q, k, block_size=block_size, top_k=top_k, gate=gate, slice_rows=rows):
         e = s + sel.shape[2]
         # unselected blocks sort after every real one (key nb) and become the -1 padding
         ordered = torch.where(sel, block_ids, nb).sort(dim=-1).values[..., :n_slots]
@@ -336,20 +336,18 @@ def moba_attention_triton(
     q: [B, Hq, Nq, D]; k, v: [B, Hkv, Nk, D] with Hq % Hkv == 0 and Nq <= Nk (queries are the last Nq
     positions). Returns [B, Hq, Nq, D] in q's dtype; differentiable in q, k, v.
     """
-    check_moba_args(
-        q, k, v, block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
-    )
+    gate = GateOptions(pooling, sink_blocks, local_blocks)
+    check_moba_args(q, k, v, block_size=block_size, top_k=top_k)
     block_size = effective_block_size(block_size, k.shape[2])  # bounded by the sequence
     if not cuda_or_triton_interpreter(q):
         raise ValueError(f"backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), got device {q.device}")
-    gate = dict(block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks)
-    guarded = route_nonfinite(moba_attention_triton, q, k, v, scale=scale, **gate)
+    guarded = route_nonfinite(
+        moba_attention_triton, q, k, v, scale=scale, block_size=block_size, top_k=top_k, gate=gate
+    )
     if guarded is not None:
         return guarded
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    slots = _slot_lists(
-        q, k, block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks, local_blocks=local_blocks
-    )
+    slots = _slot_lists(q, k, block_size=block_size, top_k=top_k, gate=gate)
     plan = _Plan(slots, k.shape[1], num_blocks(k.shape[2], block_size), _block_m(q))
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():

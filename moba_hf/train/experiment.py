@@ -21,39 +21,51 @@ from typing import Any
 import torch
 
 from ..eval.passkey import random_passkey, run_trial
-from ..integration import apply, revert
+from ..eval.runner import ResultStore, model_info, run_grid
+from ..eval.settings import Setting
 from .cli import load_config
 from .trainer import load_model, train
 
 
-def passkey_accuracy(model: Any, tokenizer: Any, length: int, trials: int, seed: int) -> dict:
-    """Greedy passkey retrieval at `length` tokens over `trials` evenly spread depths."""
-    rng = random.Random(f"moba_hf.train.experiment:{seed}:{length}")
-    results = []
-    for i in range(trials):
-        depth = i / max(1, trials - 1)
-        trial = run_trial(model, tokenizer, length, depth, random_passkey(rng))
-        results.append({"depth": depth, "expected": trial.expected, "got": trial.got, "correct": trial.correct})
-        print(f"    length {length} depth {depth:.2f}: expected {trial.expected} got {trial.got}", flush=True)
-    return {"length": length, "correct": sum(r["correct"] for r in results), "trials": trials, "results": results}
+def _trial_cells(lengths: list[int], trials: int, seed: int) -> list[dict[str, Any]]:
+    """Per length, `trials` evenly spread depths with keys from the length's own stream."""
+    cells = []
+    for length in lengths:
+        rng = random.Random(f"moba_hf.train.experiment:{seed}:{length}")
+        for i in range(trials):
+            cells.append({"length": length, "depth": i / max(1, trials - 1), "passkey": random_passkey(rng)})
+    return cells
 
 
 def evaluate(
     model: Any, tokenizer: Any, moba: Any, lengths: list[int], trials: int, seed: int, modes: list[str]
 ) -> dict:
-    """{"moba": [...], "full": [...]}: accuracy per length with MoBA (`moba` config) and/or sdpa."""
+    """{"moba": [...], "full": [...]}: greedy passkey accuracy per length with MoBA (`moba` config) and/or sdpa."""
     model.eval()
+    cells = _trial_cells(lengths, trials, seed)
+    store = ResultStore(None, "passkey", {"lengths": lengths, "trials": trials, "seed": seed}, model_info(model))
+
+    def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
+        trial = run_trial(model, tokenizer, cell["length"], cell["depth"], cell["passkey"])
+        where = f"length {trial.length} depth {trial.depth:.2f}"
+        print(f"    {where}: expected {trial.expected} got {trial.got}", flush=True)
+        return {"expected": trial.expected, "got": trial.got, "correct": trial.correct}
+
     out = {}
     for mode in modes:
-        if mode == "moba":
-            apply(model, moba)
-        else:
-            model.set_attn_implementation("sdpa")
+        setting = Setting(mode, "moba", moba) if mode == "moba" else Setting(mode, "sdpa")
         start = time.perf_counter()
-        out[mode] = [passkey_accuracy(model, tokenizer, n, trials, seed) for n in lengths]
+        run_grid(model, [setting], cells, run_cell, store, progress=False)
+        if mode in store.failures:
+            raise RuntimeError(f"passkey trials with {mode} attention failed: {store.failures[mode]}")
+        records = store.records([setting])
+        out[mode] = []
+        for n in lengths:
+            results = [{k: r[k] for k in ("depth", "expected", "got", "correct")} for r in records if r["length"] == n]
+            correct = sum(r["correct"] for r in results)
+            out[mode].append({"length": n, "correct": correct, "trials": trials, "results": results})
         summary = ", ".join(f"{r['correct']}/{r['trials']} at {r['length']}" for r in out[mode])
         print(f"  {mode:>4}: {summary}  ({time.perf_counter() - start:.0f} s)", flush=True)
-    revert(model)
     return out
 
 

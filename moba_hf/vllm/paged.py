@@ -67,7 +67,6 @@ def moba_paged(
     ones; block_table: (num_seqs, max_pages). skip_decodes: leave one-token queries to the caller (vLLM's
     dense decode kernel for decode="full"). dense: causal attention instead of MoBA (reference for tests).
     """
-    gate = dict(pooling=config.pooling, sink_blocks=config.sink_blocks, local_blocks=config.local_blocks)
     for i, length in enumerate(seq_lens):
         start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
         nq, length = end - start, int(length)
@@ -84,7 +83,5 @@ def moba_paged(
         if dense or (is_decode(nq) and config.decode == "full"):
             out = causal_attention(q, k, v, scale=scale)
         else:
-            out = moba_attention(
-                q, k, v, block_size=config.block_size, top_k=config.top_k, scale=scale, backend=config.backend, **gate
-            )
+            out = moba_attention(q, k, v, scale=scale, backend=config.backend, **config.kernel_kwargs())
         output[start:end] = out[0].transpose(0, 1).to(output.dtype)
