@@ -1,19 +1,21 @@
 """Decode speed: MoBA sparse decode vs SDPA decode, for the attention op and for whole-model `generate`.
 
-    .venv/bin/python benchmarks/bench_decode.py                      # op at 8K/32K/128K, SmolLM2 at 8K/32K
+    .venv/bin/python benchmarks/bench_decode.py                      # op at 2K..128K, SmolLM2 at 2K..32K
     .venv/bin/python benchmarks/bench_decode.py --model-contexts     # op only
 
 Op: one decode step of one layer (B=1, Hq=9, Hkv=3, D=64, float32, block 512, top 3): MoBA = append the new
-key to the running block sums + gate + attend the selected blocks (the sums are then rolled back so every
-repeat sees the same cache; the roll-back is timed too, so MoBA is charged twice for the sum update) vs
-`F.scaled_dot_product_attention` over the whole cache. Both are checked against the reference first.
+key to the running block sums + the step decode="moba" takes (the sparse kernel, gate + selected blocks, from
+the measured crossover on; a dense step below it) vs `F.scaled_dot_product_attention` over the whole cache; the
+sums are then rolled back so every repeat sees the same cache (timed too: MoBA is charged twice for the sum
+update). The sparse kernel alone is timed as well. Both are checked against the reference first.
 
 Model: SmolLM2-135M (30 layers), greedy `generate` of --new-tokens tokens after a context of N tokens,
 --rounds times per setting, alternating MoBA and SDPA.
 A real prefill of 32K tokens takes many minutes on a laptop CPU, so the KV cache is filled synthetically (random
 keys/values at every layer, the same for both settings) and only decode steps are timed: per-token latency is
 the time between tokens reported to a streamer (the first, which includes generate's setup, is dropped).
-Before timing, one MoBA decode step's logits are checked against the reference MoBA path on the same cache.
+Before timing, one sparse decode step's logits are checked against the reference MoBA path on the same cache;
+the timed steps then follow the measured crossover (`moba_hf.kernels.decode.decode_crossover`).
 Both settings use transformers' DynamicCache, which copies the whole cache at every step (torch.cat): that
 cost is in both columns.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import csv
 import inspect
+import os
 import platform
 import statistics
 import sys
@@ -37,8 +40,8 @@ sys.path.insert(0, str(ROOT))
 
 from moba_hf import MobaConfig  # noqa: E402
 from moba_hf.integration import cache as moba_cache  # noqa: E402
-from moba_hf.kernels import moba_attention_reference  # noqa: E402
-from moba_hf.kernels.decode import moba_decode  # noqa: E402
+from moba_hf.kernels import GateOptions, moba_attention_reference  # noqa: E402
+from moba_hf.kernels.decode import CROSSOVER_ENV, decode_crossover, moba_decode  # noqa: E402
 
 
 def _cache_keyword() -> str:
@@ -93,10 +96,14 @@ def bench_op(context: int, repeats: int, block: int, top_k: int) -> dict:
     state = moba_cache.BlockState(k, block, "mean")
     state.append(k[:, :, :-1], None)
     new_key = k[:, :, -1:]
+    crossover = decode_crossover(q, k, block_size=block, top_k=top_k, gate=GateOptions())
 
-    def moba_step():
+    def moba_step(sparse: bool = True):
         state.append(new_key, None)
-        out = moba_decode(q, k, v, state.block_keys(), block_size=block, top_k=top_k)
+        if sparse:
+            out = moba_decode(q, k, v, state.block_keys(), block_size=block, top_k=top_k)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         state.sums[:, :, (context - 1) // block] -= new_key[:, :, 0]  # roll back: same cache every repeat
         state.counts -= 1
         state.n -= 1
@@ -109,8 +116,20 @@ def bench_op(context: int, repeats: int, block: int, top_k: int) -> dict:
     torch.testing.assert_close(moba_step(), want, rtol=1e-4, atol=1e-5)
     dense = moba_attention_reference(q, k, v, block_size=context, top_k=1)
     torch.testing.assert_close(sdpa_step(), dense, rtol=1e-4, atol=1e-5)
-    t_moba, t_sdpa = timed_pair(moba_step, sdpa_step, repeats)
-    return {"bench": "op", "context": context, **timing_fields(t_moba, t_sdpa)}
+    t_sparse, t_sdpa = timed_pair(moba_step, sdpa_step, repeats)
+    # what decode="moba" runs: the sparse kernel from the measured crossover on, a dense step below it
+    chosen = -(-context // block) >= crossover
+    t_moba, t_sdpa2 = timed_pair(lambda: moba_step(chosen), sdpa_step, repeats)
+    sparse_only = timing_fields(t_sparse, t_sdpa)
+    return {
+        "bench": "op",
+        "context": context,
+        **timing_fields(t_moba, t_sdpa2),
+        "crossover_blocks": crossover,
+        "step": "sparse" if chosen else "dense",
+        "sparse_kernel_median_ms": sparse_only["moba_median_ms"],
+        "sparse_kernel_speedup_median": sparse_only["speedup_median"],
+    }
 
 
 # --- whole model ----------------------------------------------------------------------------------------------------
@@ -161,8 +180,17 @@ def verify_model_step(model, context: int) -> float:
     tok, pos = torch.tensor([[7]]), torch.tensor([[context]])
     for layer in model.model.layers:  # normally installed by the first moba call
         moba_cache.install_hooks(layer.self_attn)
+    crossover = os.environ.get(CROSSOVER_ENV)
+    os.environ[CROSSOVER_ENV] = "0"  # the sparse step, whatever the crossover
+    try:
+        with torch.no_grad():
+            sparse = model(tok, **{CACHE: synthetic_cache(model, context)}, position_ids=pos, use_cache=True).logits
+    finally:
+        if crossover is None:
+            del os.environ[CROSSOVER_ENV]
+        else:
+            os.environ[CROSSOVER_ENV] = crossover
     with torch.no_grad():
-        sparse = model(tok, **{CACHE: synthetic_cache(model, context)}, position_ids=pos, use_cache=True).logits
         limit, moba_cache.DECODE_MAX_QUERIES = moba_cache.DECODE_MAX_QUERIES, 0  # force the reference path
         try:
             ref = model(tok, **{CACHE: synthetic_cache(model, context)}, position_ids=pos, use_cache=True).logits
@@ -204,8 +232,8 @@ def bench_model(contexts: list[int], new_tokens: int, block: int, top_k: int, ro
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--op-contexts", type=int, nargs="*", default=[8192, 32768, 131072])
-    parser.add_argument("--model-contexts", type=int, nargs="*", default=[8192, 32768])
+    parser.add_argument("--op-contexts", type=int, nargs="*", default=[2048, 4096, 8192, 16384, 32768, 131072])
+    parser.add_argument("--model-contexts", type=int, nargs="*", default=[2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--repeats", type=int, default=30, help="op-level repeats")
     parser.add_argument("--new-tokens", type=int, default=8, help="tokens per generate call")
     parser.add_argument("--rounds", type=int, default=2, help="alternating MoBA / SDPA generate calls per context")
@@ -232,11 +260,12 @@ def main(argv: list[str] | None = None) -> None:
         writer = csv.DictWriter(fh, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
-    print(f"\n| bench | context | MoBA median ms | SDPA median ms | speed-up | ({settings})")
+    print(f"\n| bench | context | step | MoBA median ms | SDPA median ms | speed-up | sparse kernel | ({settings})")
     for row in rows:
+        sparse = f"{row['sparse_kernel_speedup_median']:.2f}x" if "sparse_kernel_speedup_median" in row else ""
         print(
-            f"| {row['bench']} | {row['context']} | {row['moba_median_ms']:.2f} | {row['sdpa_median_ms']:.2f} "
-            f"| {row['speedup_median']:.1f}x |"
+            f"| {row['bench']} | {row['context']} | {row.get('step', '')} | {row['moba_median_ms']:.2f} "
+            f"| {row['sdpa_median_ms']:.2f} | {row['speedup_median']:.2f}x | {sparse} |"
         )
     print(f"wrote {args.csv}")
 

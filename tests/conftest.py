@@ -16,6 +16,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def _sparse_decode_always(monkeypatch):
+    # decode="moba" takes its sparse step from the first block on (machine-independent); the measured crossover
+    # has its own tests
+    monkeypatch.setenv("MOBA_HF_DECODE_CROSSOVER", "0")
+
+
+@pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
 

@@ -1,6 +1,7 @@
 """The benchmark scripts still run (tiny sizes) and write what RESULTS.md quotes; no timing is asserted."""
 
 import csv
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,3 +37,17 @@ def test_bench_model_verifies_bfloat16_then_writes_a_row(tmp_path):
     (row,) = list(csv.DictReader(out.open()))
     assert row["model"] == "SmolLM2-135M-Instruct bfloat16" and row["tokens"] == "160" and row["block_size"] == "32"
     assert float(row["sdpa_min_s"]) > 0 and float(row["moba_min_s"]) > 0
+
+
+def test_bench_decode_op_checks_then_reports_the_step_it_takes(tmp_path):
+    # crossover fixed at 3 blocks of 64: a 128-key cache takes the dense step, a 256-key one the sparse kernel
+    out = tmp_path / "decode.csv"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--op-contexts", "128", "256"]
+    cmd += ["--model-contexts", "--repeats", "2", "--block-size", "64", "--top-k", "2", "--csv", str(out)]
+    env = {**os.environ, "MOBA_HF_DECODE_CROSSOVER": "3"}
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr
+    rows = list(csv.DictReader(out.open()))
+    steps = [(r["context"], r["step"], r["crossover_blocks"]) for r in rows]
+    assert steps == [("128", "dense", "3"), ("256", "sparse", "3")]
+    assert all(float(r["moba_min_ms"]) > 0 and float(r["sparse_kernel_median_ms"]) > 0 for r in rows)

@@ -17,7 +17,7 @@ import moba_hf
 from moba_hf import MobaConfig
 from moba_hf.integration import cache as moba_cache
 from moba_hf.integration.register import moba_mask
-from moba_hf.kernels import causal_attention, moba_attention_reference
+from moba_hf.kernels import GateOptions, causal_attention, moba_attention_reference
 from moba_hf.kernels.decode import block_keys_from_cache, moba_decode
 
 # --- the kernel ---------------------------------------------------------------------------------------------------
@@ -124,23 +124,25 @@ class Spy:
 
 
 _ORACLE = "moba_test_full_decode_oracle"
-_oracle_prompt = [0]
+_oracle_dense = [0, None]
 
 
 def _full_decode_oracle(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """No cache: MoBA for the prompt's queries, dense causal for the later ones (what decode="full" computes)."""
+    """No cache: dense causal for the queries in positions [first, end) (decode="full": all after the prompt),
+    MoBA for the others."""
     out, _ = moba_hf.integration.moba_attention_forward(module, query, key, value, attention_mask, scaling, **kwargs)
     dense = causal_attention(query, key, value, scale=scaling).transpose(1, 2)
-    p = _oracle_prompt[0]
-    return torch.cat([out[:, :p], dense[:, p:]], dim=1), None
+    first, end = _oracle_dense
+    end = out.shape[1] if end is None else end
+    return torch.cat([out[:, :first], dense[:, first:end], out[:, end:]], dim=1), None
 
 
-def _full_forward(model, ids, decode, prompt):
-    if decode == "moba":
+def _full_forward(model, ids, decode, prompt, dense_end=None):
+    if decode == "moba" and dense_end is None:
         return model(ids).logits
     AttentionInterface.register(_ORACLE, _full_decode_oracle)
     AttentionMaskInterface.register(_ORACLE, moba_mask)
-    _oracle_prompt[0] = prompt
+    _oracle_dense[:] = [prompt, dense_end]
     model.set_attn_implementation(_ORACLE)
     try:
         return model(ids).logits
@@ -174,6 +176,57 @@ def test_stepwise_cached_decoding_equals_full_forward(arch, decode, monkeypatch)
         assert (spy.decodes, spy.builds) == (steps * layers, layers)  # built once, then only appended to
     else:
         assert spy.decodes == 0
+
+
+def test_steps_below_the_crossover_run_dense_and_keep_the_block_state_in_step(monkeypatch):
+    # crossover 4 blocks of 5: a step whose cache holds <= 15 tokens (positions 8..14) is dense, later ones sparse
+    monkeypatch.setenv("MOBA_HF_DECODE_CROSSOVER", "4")
+    model = tiny_model("llama", MobaConfig(block_size=5, top_k=2, decode="moba"))
+    spy = Spy(monkeypatch)
+    ids = torch.randint(0, 97, (2, 29))
+    prompt = 8
+    with torch.no_grad():
+        want = _full_forward(model, ids, "moba", prompt, dense_end=15)
+        cache = DynamicCache(config=model.config)
+        got = [model(ids[:, :prompt], **{CACHE: cache}, use_cache=True).logits]
+        for t in range(prompt, ids.shape[1]):
+            got.append(model(ids[:, t : t + 1], **{CACHE: cache}, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(got, dim=1), want, rtol=MODEL_TOL, atol=MODEL_TOL)
+    layers = model.config.num_hidden_layers
+    assert (spy.decodes, spy.builds) == ((29 - 15) * layers, layers)  # state built once, through the dense steps
+
+
+def test_crossover_is_measured_once_per_setting(monkeypatch):
+    from moba_hf.kernels import decode as decode_kernels
+
+    monkeypatch.delenv("MOBA_HF_DECODE_CROSSOVER")
+    monkeypatch.setattr(decode_kernels, "_crossovers", {})
+    lengths = []
+
+    def times(q, hkv, n, **kw):  # sparse wins from 4096 keys on
+        lengths.append(n)
+        return (1.0, 2.0) if n >= 4096 else (2.0, 1.0)
+
+    monkeypatch.setattr(decode_kernels, "step_times", times)
+    q, k = torch.zeros(1, 4, 1, 8), torch.zeros(1, 2, 9, 8)
+    gate = GateOptions(sink_blocks=1)
+    found = decode_kernels.decode_crossover(q, k, block_size=256, top_k=3, gate=gate)
+    assert (found, lengths) == (20, [1280, 2560, 5120])  # from top_k + sink + 1 = 5 blocks, doubling
+    assert decode_kernels.decode_crossover(q, k, block_size=256, top_k=3, gate=gate) == 20 and len(lengths) == 3
+    # sparse never faster up to 64K keys: twice the longest length tried
+    monkeypatch.setattr(decode_kernels, "step_times", lambda q, hkv, n, **kw: (2.0, 1.0))
+    assert decode_kernels.decode_crossover(q, k, block_size=4096, top_k=3, gate=gate) == 2 * 10
+
+
+@pytest.mark.parametrize("value", ["-1", "two", "1.5"])
+def test_a_bad_crossover_override_is_refused(value, monkeypatch):
+    from moba_hf.kernels.decode import decode_crossover
+
+    monkeypatch.setenv("MOBA_HF_DECODE_CROSSOVER", value)
+    with pytest.raises(
+        ValueError, match=f"MOBA_HF_DECODE_CROSSOVER must be a whole number of blocks >= 0, got '{value}'"
+    ):
+        decode_crossover(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 4, 4), block_size=2, top_k=1, gate=GateOptions())
 
 
 @pytest.mark.parametrize("decode", ["moba", "full"])

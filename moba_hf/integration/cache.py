@@ -26,13 +26,14 @@ import torch.nn.functional as F
 
 from ..config import MobaConfig
 from ..kernels.common import gate_dtype, gate_features
-from ..kernels.decode import moba_decode
+from ..kernels.decode import decode_crossover, moba_decode
 from . import sparsity
 
 logger = logging.getLogger("moba_hf")
 
 # above this many new queries a cached step runs the prefill kernel (which gates every query at once)
 DECODE_MAX_QUERIES = 8
+DENSE_STEP = "dense"  # `cached_step`'s answer when a dense step is the cheaper one
 
 _STATE_ATTR = "_moba_block_state"  # on the Cache: {layer_idx: BlockState}
 _CALL_ATTR = "_moba_call"  # on the attention module, during its forward: (cache ref, keys-before-update ref)
@@ -281,12 +282,14 @@ def cached_step(
     padding_mask: torch.Tensor | None,
     config: MobaConfig,
     scale: float | None,
-) -> torch.Tensor | None:
-    """Sparse decode for a MoBA layer with a cache: [B, Hq, Nq, D], or None to run the ordinary path.
+) -> torch.Tensor | str | None:
+    """Sparse decode for a MoBA layer with a cache: [B, Hq, Nq, D]; DENSE_STEP when the cache has fewer blocks
+    than `decode_crossover` (a dense step is cheaper there, and attends a superset of MoBA's blocks); or None to
+    run the ordinary path.
 
     Only with decode="moba", Nq <= DECODE_MAX_QUERIES new queries, every row's real tokens contiguous and
     all new tokens real (what `generate` does, left padding included). Otherwise the block state, if the
-    layer has one, is just kept in step.
+    layer has one, is just kept in step (so sparse steps can start once the cache is long enough).
     """
     install_hooks(module)
     call = current_call(module)
@@ -302,6 +305,9 @@ def cached_step(
     state = block_state(cache, layer, key, in_step, padding_mask, config, create=decode) if layer is not None else None
     if not decode or state is None or not state.contiguous_rows() or bool((state.counts < nq).any()):
         return None
+    blocks = -(-int(state.counts.max()) // config.block_size)
+    if blocks < decode_crossover(query, key, block_size=config.block_size, top_k=config.top_k, gate=config.gate):
+        return DENSE_STEP
     out, selected = moba_decode(
         query, key, value, state.block_keys(), scale=scale, starts=state.starts, return_selection=True,
         **config.kernel_kwargs(),

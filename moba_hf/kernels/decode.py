@@ -14,6 +14,8 @@ the blocks prefill would pick for a query at the same position, ties included.
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
 
 import torch
 
@@ -191,3 +193,68 @@ def block_keys_from_cache(
         pooled = pooled_keys(k[r : r + 1, :, int(starts[r]) :], block_size, pooling)
         out[r : r + 1, :, : pooled.shape[2]] = pooled
     return out
+
+
+# --- when sparse decode pays ------------------------------------------------------------------------------------
+CROSSOVER_ENV = "MOBA_HF_DECODE_CROSSOVER"  # blocks; 0 = always sparse (what tests of the sparse path use)
+_MAX_CALIBRATION_KEYS = 1 << 16
+_crossovers: dict[tuple, int] = {}
+
+
+def decode_crossover(q: torch.Tensor, k: torch.Tensor, *, block_size: int, top_k: int, gate: GateOptions) -> int:
+    """The fewest cache blocks from which a sparse decode step (`moba_decode`: gate + selected blocks) is faster
+    than dense attention over the whole cache, for q's device and dtype, these head counts and this gate.
+
+    Below it a decode step costs less as dense attention, which attends a superset of MoBA's blocks. Measured once
+    per setting on random inputs (one query per row, doubling cache lengths up to 64K keys; best of five, the two
+    alternated) and kept for the process; if sparse never wins in that range, twice the longest length tried.
+    `MOBA_HF_DECODE_CROSSOVER=<blocks>` fixes it instead (0: always sparse).
+    """
+    fixed = os.environ.get(CROSSOVER_ENV)
+    if fixed is not None:
+        if not fixed.strip().isdigit():
+            raise ValueError(f"{CROSSOVER_ENV} must be a whole number of blocks >= 0, got {fixed!r}")
+        return int(fixed)
+    hq, hkv, d = q.shape[1], k.shape[1], q.shape[3]
+    key = (q.device, q.dtype, hq, hkv, d, block_size, top_k, gate, torch.get_num_threads())
+    if key not in _crossovers:
+        _crossovers[key] = _measure_crossover(q, hkv, block_size, top_k, gate)
+    return _crossovers[key]
+
+
+def _seconds(fn, device: torch.device) -> float:
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def step_times(q: torch.Tensor, hkv: int, n: int, *, block_size: int, top_k: int, gate: GateOptions) -> tuple:
+    """Best of five (sparse, dense) seconds of one decode step over `n` random cached keys, alternated."""
+    from .common import causal_attention  # the dense step transformers' "sdpa" runs
+
+    gen = torch.Generator(device=q.device).manual_seed(0)
+    hq, d = q.shape[1], q.shape[3]
+    query = torch.randn(1, hq, 1, d, generator=gen, device=q.device).to(q.dtype)
+    keys, values = (torch.randn(1, hkv, n, d, generator=gen, device=q.device).to(q.dtype) for _ in range(2))
+    pooled = pooled_keys(keys, block_size, gate.pooling)
+    steps = (
+        lambda: moba_decode(query, keys, values, pooled, block_size=block_size, top_k=top_k, **gate.as_kwargs()),
+        lambda: causal_attention(query, keys, values),
+    )
+    for step in steps:
+        step()  # warm up
+    times = [[_seconds(step, q.device) for step in steps] for _ in range(5)]
+    return min(t for t, _ in times), min(t for _, t in times)
+
+
+def _measure_crossover(q: torch.Tensor, hkv: int, block_size: int, top_k: int, gate: GateOptions) -> int:
+    blocks = top_k + gate.sink_blocks + gate.local_blocks + 1  # fewer: every block is attended anyway
+    while True:
+        t_sparse, t_dense = step_times(q, hkv, blocks * block_size, block_size=block_size, top_k=top_k, gate=gate)
+        if t_sparse <= t_dense:
+            return blocks
+        if 2 * blocks * block_size > _MAX_CALIBRATION_KEYS:
+            return 2 * blocks
+        blocks *= 2
