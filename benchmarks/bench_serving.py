@@ -7,8 +7,8 @@ token (a request with max_tokens=1: the prefill), prefill tokens/s, and decode t
 1 + N tokens; its extra time over the first is N decode steps). Before timing, the plugin's greedy tokens at
 the shortest length are checked against the transformers path with the same MobaConfig. Rows go to a CSV
 with the machine, versions, settings and date on each (benchmarks/results_serving.csv by default).
-Lengths above the model's 8K context set VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (RoPE beyond its trained range:
-a speed measurement only).
+Lengths above the model's 8K context set VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 and max_position_embeddings to the
+longest length (vLLM's RoPE table would end at 8K; positions past the trained range: a speed measurement only).
 """
 
 from __future__ import annotations
@@ -106,13 +106,19 @@ def main() -> int:
         max_num_batched_tokens=max_len, enable_prefix_caching=False,
     )  # fmt: skip
     env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    overrides: dict = {}
     if max_len > 8192:
         env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
+        # vLLM tabulates RoPE for max_position_embeddings positions and reads past the table beyond it
+        overrides["max_position_embeddings"] = max_len
+    engine["hf_overrides"] = overrides
     job = dict(prompts=prompts, verify=verify, verify_tokens=verify_tokens, repeats=args.repeats,
                decode_tokens=args.decode_tokens)  # fmt: skip
     results = {
         "vllm": run_engine({**job, "engine": engine}, {**env, "VLLM_PLUGINS": "none"}),
-        "moba": run_engine({**job, "engine": {**engine, "hf_overrides": {"moba_config": config.to_dict()}}}, env),
+        "moba": run_engine(
+            {**job, "engine": {**engine, "hf_overrides": {**overrides, "moba_config": config.to_dict()}}}, env
+        ),
     }
 
     model = moba_hf.from_pretrained(path, moba=config, dtype=getattr(torch, args.dtype)).eval()

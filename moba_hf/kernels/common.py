@@ -329,6 +329,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
 # never attend it. The rule every backend follows instead (the reference's arithmetic): a row with a NaN / inf
 # query is NaN; a row attending a NaN value is NaN in that channel, one attending +inf / -inf values is +inf / -inf
 # there (NaN for both); NaN / inf keys go through the kernels as they are (masked keys never reach a score).
+_HIT_ROWS = 1024
 _HIT_ELEMENTS = 1 << 24  # allowed-mask elements per slice while finding the rows that attend a non-finite value
 
 
@@ -366,24 +367,29 @@ def masked_matmul(probs: torch.Tensor, allowed: torch.Tensor, v: torch.Tensor) -
 
 
 def value_hits(
-    v: torch.Tensor, n_heads: int, n_queries: int, allowed: Callable[[int, int], torch.Tensor]
+    v: torch.Tensor, n_heads: int, n_queries: int, allowed: Callable[[int, int, torch.Tensor], torch.Tensor]
 ) -> torch.Tensor | None:
     """Where rows attend non-finite values: float [B, Hq, Nq, D] holding NaN, +inf or -inf where the row attends
     such values in that channel (NaN for both signs of inf), 0 elsewhere; None if v is finite.
 
-    allowed(a, n): bool [B, Hq, n, Nk], the keys query rows a .. a + n - 1 attend (the backend's selection).
+    allowed(a, n, keys): bool [B, Hq, n, len(keys)], whether query rows a .. a + n - 1 attend the key positions
+    `keys` (the backend's selection). Only the positions holding a non-finite value are looked at, so a few bad
+    values cost O(Nq x their count), not O(Nq x Nk).
     """
     if bool(v.isfinite().all()):
         return None
     b, hkv, nk, d = v.shape
     g = n_heads // hkv
+    keys = (~v.isfinite()).any(dim=-1).flatten(0, 1).any(dim=0).nonzero().flatten()  # positions with a bad value
+    vk = v[:, :, keys]
     # channels [NaN, +inf, -inf] side by side; a 0/1 matmul counts the attended ones exactly
-    ind = torch.cat([v.isnan(), v == float("inf"), v == float("-inf")], dim=-1).to(torch.float32)
+    ind = torch.cat([vk.isnan(), vk == float("inf"), vk == float("-inf")], dim=-1).to(torch.float32)
     hits = v.new_zeros(b, n_heads, n_queries, d)
-    rows = max(1, _HIT_ELEMENTS // max(1, b * n_heads * nk))
+    # rows per slice: bounded by the mask's size and by the selection `allowed` computes for them
+    rows = max(1, min(_HIT_ROWS, _HIT_ELEMENTS // (b * n_heads * keys.numel())))
     for a in range(0, n_queries, rows):
         n = min(rows, n_queries - a)
-        mask = allowed(a, n).to(torch.float32).reshape(b, hkv, g * n, nk)
+        mask = allowed(a, n, keys).to(torch.float32).reshape(b, hkv, g * n, keys.numel())
         count = (mask @ ind).reshape(b, n_heads, n, 3, d) > 0
         nan = count[..., 0, :] | (count[..., 1, :] & count[..., 2, :])
         value = torch.where(count[..., 1, :], float("inf"), torch.where(count[..., 2, :], float("-inf"), 0.0))
@@ -393,16 +399,15 @@ def value_hits(
 
 def moba_allowed(
     q: torch.Tensor, k: torch.Tensor, *, block_size: int, top_k: int, gate: GateOptions
-) -> Callable[[int, int], torch.Tensor]:
-    """`value_hits`' allowed(a, n) for MoBA: the shared selection, causal."""
+) -> Callable[[int, int, torch.Tensor], torch.Tensor]:
+    """`value_hits`' allowed(a, n, keys) for MoBA: the shared selection, causal."""
     nq, nk = q.shape[2], k.shape[2]
     block_size = effective_block_size(block_size, nk)
-    key_block = torch.arange(nk, device=q.device) // block_size
 
-    def allowed(a: int, n: int) -> torch.Tensor:
+    def allowed(a: int, n: int, keys: torch.Tensor) -> torch.Tensor:
         sel = selected_blocks(q[:, :, a : a + n], k, block_size=block_size, top_k=top_k, gate=gate, q_start=nk - nq + a)
         q_pos = torch.arange(nk - nq + a, nk - nq + a + n, device=q.device)
-        return sel[..., key_block] & (torch.arange(nk, device=q.device)[None, :] <= q_pos[:, None])
+        return sel[..., keys // block_size] & (keys[None, :] <= q_pos[:, None])
 
     return allowed
 

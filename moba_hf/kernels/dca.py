@@ -196,16 +196,16 @@ def dca_attention(
 
 
 def _allowed(q: torch.Tensor, k: torch.Tensor, selected: torch.Tensor | None, block_size: int | None):
-    """allowed(a, n) -> bool [B, Hq, n, Nk]: the keys DCA query rows a .. a + n - 1 attend (for NaN / inf values),
-    given the MoBA selection (None: dense DCA)."""
+    """allowed(a, n, keys) -> bool [B, Hq, n, len(keys)]: whether DCA query rows a .. a + n - 1 attend the key
+    positions `keys` (for NaN / inf values), given the MoBA selection (None: dense DCA)."""
     nq, nk = q.shape[2], k.shape[2]
 
-    def allowed(a: int, n: int) -> torch.Tensor:
+    def allowed(a: int, n: int, keys: torch.Tensor) -> torch.Tensor:
         q_pos = torch.arange(nk - nq + a, nk - nq + a + n, device=q.device)
-        causal = torch.arange(nk, device=q.device)[None, :] <= q_pos[:, None]
+        causal = keys[None, :] <= q_pos[:, None]
         if selected is None:
-            return causal.expand(q.shape[0], q.shape[1], n, nk)
-        return selected[:, :, a : a + n][..., torch.arange(nk, device=q.device) // block_size] & causal
+            return causal.expand(q.shape[0], q.shape[1], n, keys.numel())
+        return selected[:, :, a : a + n][..., keys // block_size] & causal
 
     return allowed
 

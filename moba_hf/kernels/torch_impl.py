@@ -247,16 +247,25 @@ def _own_pieces(plan: _Plan, b: int, hkv: int, g: int, bs: int, start: int):
                 yield bi, heads, kv, (slice(first - start, end - start), slice(c * bs, end)), first - c * bs
 
 
-def _forward(q, k, v, plan: _Plan, block_size: int, scale: float, dtype: torch.dtype, q_gated=None):
-    """Output and log-sum-exp; own blocks read q, gated pieces read `q_gated` (stacked variants) if given."""
+def _output_rows(b: int, hq: int, nq: int, d: int, parts: int, dtype: torch.dtype, device: torch.device):
+    """Flat output and log-sum-exp rows over [B, Hq, Nq] plus one trash row per part (padding rows' results)."""
+    return _empty((b * hq * nq + parts, d), dtype, device), _empty((b * hq * nq + parts,), dtype, device)
+
+
+def _forward(q, k, v, plan: _Plan, block_size: int, scale: float, dtype: torch.dtype, q_gated=None, into=None):
+    """Output and log-sum-exp; own blocks read q, gated pieces read `q_gated` (stacked variants) if given.
+
+    into: (out rows, lse rows from `_output_rows`, first query, all queries Nq, part index): write this part's
+    queries [first, first + nq) of the whole [B, Hq, Nq] output in place (parts run at once, on disjoint rows).
+    """
     b, hq, nq, d = q.shape
     hkv = k.shape[1]
     g, bs, start = hq // hkv, block_size, k.shape[2] - nq
-    trash = b * hq * nq  # an extra last row receives the padding rows' results
-    out_rows = _empty((trash + 1, d), dtype, q.device)
-    lse_rows = _empty((trash + 1,), dtype, q.device)
+    out_rows, lse_rows, first, total, part = into or (*_output_rows(b, hq, nq, d, 1, dtype, q.device), 0, nq, 0)
+    trash = b * hq * total + part
     out_rows[trash], lse_rows[trash] = 0, 0
-    out, lse = out_rows[:trash].view(b, hq, nq, d), lse_rows[:trash].view(b, hq, nq)
+    out = out_rows[: b * hq * total].view(b, hq, total, d)[:, :, first : first + nq]
+    lse = lse_rows[: b * hq * total].view(b, hq, total)[:, :, first : first + nq]
     for bi, heads, kv, where, offset in _own_pieces(plan, b, hkv, g, bs, start):
         if offset is None:  # whole blocks, batched as [blocks, heads, bs, D]
             qb = _blocks_view(q, bi, heads, start, where, bs).to(dtype)
@@ -283,6 +292,8 @@ def _forward(q, k, v, plan: _Plan, block_size: int, scale: float, dtype: torch.d
             lse[bi, heads, rows] = l_[0]
     for rows, chunks in plan.batches:
         idx = plan.rows[rows]
+        if total != nq:  # this part's flat rows -> rows of the whole output
+            idx = idx // nq * total + first + idx % nq
         dst = idx.masked_fill(plan.dummy[rows], trash)
         o, l_ = attention_with_lse(
             _rows(q if q_gated is None else q_gated, plan.source[rows]).to(dtype).view(_calls(chunks), 1, -1, d),
@@ -379,24 +390,27 @@ class _MobaTorch(torch.autograd.Function):
         dtype = gate_dtype(q.dtype)
         nq = q.shape[2]
 
-        def run(first: int, end: int):
+        b, hq, _, d = q.shape
+        out_rows, lse_rows = _output_rows(b, hq, nq, d, len(parts), dtype, q.device)
+
+        def run(index: int, first: int, end: int) -> _Plan:
             qp, kp, vp = _part(q, first, end), _prefix(k, end, nq), _prefix(v, end, nq)
             earlier = None
             if gate.reaches_back(top_k):
-                b, hq, nb = q.shape[0], q.shape[1], num_blocks(kp.shape[2], block_size)
+                nb = num_blocks(kp.shape[2], block_size)
                 per = max(1, _GATE_ELEMENTS * (1 if q.device.type == "cpu" else _GPU_SCALE) // (b * hq * nb))
                 slices = selection_slices(qp, kp, block_size=block_size, top_k=top_k, gate=gate, slice_rows=per)
                 earlier = ((a, gated) for a, _, gated in slices)
             plan = _Plan(qp, kp, block_size, earlier)
             with fused_if(plan.finite_keys):
-                out, lse = _forward(qp, kp, vp, plan, block_size, scale, dtype)
-            return plan, out, lse
+                _forward(qp, kp, vp, plan, block_size, scale, dtype, into=(out_rows, lse_rows, first, nq, index))
+            return plan
 
-        results = run_all([lambda p=p: run(*p) for p in parts], len(parts))
-        out = torch.cat([o for _, o, _ in results], dim=2) if len(parts) > 1 else results[0][1]
-        lse = torch.cat([l_ for _, _, l_ in results], dim=2) if len(parts) > 1 else results[0][2]
+        plans = run_all([lambda i=i, p=p: run(i, *p) for i, p in enumerate(parts)], len(parts))
+        out = out_rows[: b * hq * nq].view(b, hq, nq, d)
+        lse = lse_rows[: b * hq * nq].view(b, hq, nq)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.parts, ctx.plans = parts, [plan for plan, _, _ in results]
+        ctx.parts, ctx.plans = parts, plans
         ctx.block_size, ctx.scale, ctx.dtype = block_size, scale, dtype
         return out.to(q.dtype)
 
@@ -488,7 +502,11 @@ def attention_with_query_variants(
     nq, nk = q.shape[2], k.shape[2]
     dtype = gate_dtype(q.dtype)
 
-    def run(first: int, end: int) -> torch.Tensor:
+    b, hq, _, d = q.shape
+    parts = query_parts(nq, nk, block_size, worker_count(q.device))
+    out_rows, lse_rows = _output_rows(b, hq, nq, d, len(parts), dtype, q.device)
+
+    def run(index: int, first: int, end: int) -> None:
         qp, kp, vp = _part(q, first, end), _prefix(k, end, nq), _prefix(v, end, nq)
         nb = num_blocks(kp.shape[2], block_size)  # a query never selects a block past its own
         positions = torch.arange(first, end, device=q.device) + nk - nq
@@ -497,9 +515,7 @@ def attention_with_query_variants(
         plan = _Plan(qp, kp, block_size, [(0, gated)], variants=(len(queries), variant_chunk))
         q_gated = torch.cat([_part(t, first, end).to(q.dtype) for t in queries]) if len(queries) > 1 else None
         with fused_if(plan.finite_keys):
-            out, _ = _forward(qp, kp, vp, plan, block_size, scale, dtype, q_gated)
-        return out
+            _forward(qp, kp, vp, plan, block_size, scale, dtype, q_gated, into=(out_rows, lse_rows, first, nq, index))
 
-    parts = query_parts(nq, nk, block_size, worker_count(q.device))
-    outs = run_all([lambda p=p: run(*p) for p in parts], len(parts))
-    return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+    run_all([lambda i=i, p=p: run(i, *p) for i, p in enumerate(parts)], len(parts))
+    return out_rows[: b * hq * nq].view(b, hq, nq, d)
