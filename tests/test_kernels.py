@@ -81,10 +81,16 @@ def test_torch_matches_reference_float64(shape, gate, layout, monkeypatch):
 
 
 @pytest.mark.parametrize("parts", [2, 3])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("gate", GATES[::3], ids=_gate_id)
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s[3] >= 30], ids=_id)
-def test_torch_query_parts_match_reference(shape, gate, parts, monkeypatch):
-    # queries cut into ranges run on single-threaded workers (parts of 5+ rows here), forward and gradients
+def test_torch_query_parts_match_reference(shape, gate, layout, parts, monkeypatch):
+    # queries cut into ranges run on single-threaded workers (parts of 5+ rows here), forward and gradients,
+    # in every layout (own blocks in causal tiles included)
+    fused, group_rows, own_tile = LAYOUTS[layout]
+    monkeypatch.setattr(dense, "use_fused", fused)
+    monkeypatch.setattr(torch_impl, "_GROUP_ROWS", group_rows)
+    monkeypatch.setattr(torch_impl, "_OWN_TILE", own_tile)
     monkeypatch.setattr(torch_impl, "_PART_ROWS", 5)
     monkeypatch.setattr(torch_impl, "worker_count", lambda device: parts)
     ranges = torch_impl.query_parts(shape[3], shape[4], shape[6], parts)

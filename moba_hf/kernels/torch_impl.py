@@ -275,9 +275,9 @@ def _forward(q, k, v, plan: _Plan, block_size: int, scale: float, dtype: torch.d
             o, l_ = attention_with_lse(_tiles(qb, tile), _tiles(kb, tile), _tiles(vb, tile), 0, scale)
             ob.unflatten(2, (-1, tile)).copy_(_untile(o, ob.shape[0]))
             lb.unflatten(2, (-1, tile)).copy_(_untile(l_, lb.shape[0]))
-            for first in range(tile, bs, tile):  # each later tile's rows also see the block's earlier tiles
-                rows = slice(first, first + tile)
-                o, l_ = attention_with_lse(qb[:, :, rows], kb[:, :, :first], vb[:, :, :first], None, scale)
+            for t0 in range(tile, bs, tile):  # each later tile's rows also see the block's earlier tiles
+                rows = slice(t0, t0 + tile)
+                o, l_ = attention_with_lse(qb[:, :, rows], kb[:, :, :t0], vb[:, :, :t0], None, scale)
                 merge_lse_(ob[:, :, rows], lb[:, :, rows], o, l_)
         else:
             rows, keys = where
@@ -328,8 +328,8 @@ def _backward(do, q, k, v, out, lse, plan: _Plan, block_size: int, scale: float,
             grads = attention_with_lse_backward(*(_tiles(t, tile) for t in (dob, qb, kb, vb, ob, lb)), 0, scale)
             for grad, acc in zip(grads, (dqb, dkb, dvb), strict=True):
                 acc.unflatten(2, (-1, tile)).add_(_untile(grad, acc.shape[0]))
-            for first in range(tile, bs, tile):
-                rows, keys = slice(first, first + tile), slice(0, first)
+            for t0 in range(tile, bs, tile):
+                rows, keys = slice(t0, t0 + tile), slice(0, t0)
                 gq, gk, gv = attention_with_lse_backward(
                     dob[:, :, rows], qb[:, :, rows], kb[:, :, keys], vb[:, :, keys], ob[:, :, rows], lb[:, :, rows],
                     None, scale,
