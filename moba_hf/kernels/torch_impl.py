@@ -252,16 +252,28 @@ def _output_rows(b: int, hq: int, nq: int, d: int, parts: int, dtype: torch.dtyp
     return _empty((b * hq * nq + parts, d), dtype, device), _empty((b * hq * nq + parts,), dtype, device)
 
 
+def _whole_rows(rows: torch.Tensor, nq: int, total: int, first: int) -> torch.Tensor:
+    """Flat rows over a part's [B, Hq, nq] -> flat rows over the whole [B, Hq, total] (part at query `first`)."""
+    return rows // nq * total + first + rows % nq
+
+
 def _forward(q, k, v, plan: _Plan, block_size: int, scale: float, dtype: torch.dtype, q_gated=None, into=None):
     """Output and log-sum-exp; own blocks read q, gated pieces read `q_gated` (stacked variants) if given.
 
-    into: (out rows, lse rows from `_output_rows`, first query, all queries Nq, part index): write this part's
-    queries [first, first + nq) of the whole [B, Hq, Nq] output in place (parts run at once, on disjoint rows).
+    into: (out rows, lse rows from `_output_rows`, first query, all queries Nq, part index, the whole contiguous
+    queries): q is the view of queries [first, first + nq) of the whole; write them into the whole [B, Hq, Nq]
+    output in place (parts run at once, on disjoint rows) and gather gated rows from the whole queries (no copy).
     """
     b, hq, nq, d = q.shape
     hkv = k.shape[1]
     g, bs, start = hq // hkv, block_size, k.shape[2] - nq
-    out_rows, lse_rows, first, total, part = into or (*_output_rows(b, hq, nq, d, 1, dtype, q.device), 0, nq, 0)
+    out_rows, lse_rows, first, total, part, q_whole = into or (
+        *_output_rows(b, hq, nq, d, 1, dtype, q.device),
+        0,
+        nq,
+        0,
+        q,
+    )
     trash = b * hq * total + part
     out_rows[trash], lse_rows[trash] = 0, 0
     out = out_rows[: b * hq * total].view(b, hq, total, d)[:, :, first : first + nq]
@@ -291,12 +303,13 @@ def _forward(q, k, v, plan: _Plan, block_size: int, scale: float, dtype: torch.d
             out[bi, heads, rows] = o[0]
             lse[bi, heads, rows] = l_[0]
     for rows, chunks in plan.batches:
-        idx = plan.rows[rows]
-        if total != nq:  # this part's flat rows -> rows of the whole output
-            idx = idx // nq * total + first + idx % nq
+        idx, src = plan.rows[rows], plan.source[rows]
+        if total != nq:  # this part's flat rows -> rows of the whole output (and queries)
+            idx = _whole_rows(idx, nq, total, first)
+            src = src if q_gated is not None else _whole_rows(src, nq, total, first)
         dst = idx.masked_fill(plan.dummy[rows], trash)
         o, l_ = attention_with_lse(
-            _rows(q if q_gated is None else q_gated, plan.source[rows]).to(dtype).view(_calls(chunks), 1, -1, d),
+            _rows(q_whole if q_gated is None else q_gated, src).to(dtype).view(_calls(chunks), 1, -1, d),
             _key_blocks(k, plan.blocks[chunks], bs).to(dtype),
             _key_blocks(v, plan.blocks[chunks], bs).to(dtype),
             None,
@@ -394,7 +407,7 @@ class _MobaTorch(torch.autograd.Function):
         out_rows, lse_rows = _output_rows(b, hq, nq, d, len(parts), dtype, q.device)
 
         def run(index: int, first: int, end: int) -> _Plan:
-            qp, kp, vp = _part(q, first, end), _prefix(k, end, nq), _prefix(v, end, nq)
+            qp, kp, vp = q[:, :, first:end], _prefix(k, end, nq), _prefix(v, end, nq)
             earlier = None
             if gate.reaches_back(top_k):
                 nb = num_blocks(kp.shape[2], block_size)
@@ -403,7 +416,7 @@ class _MobaTorch(torch.autograd.Function):
                 earlier = ((a, gated) for a, _, gated in slices)
             plan = _Plan(qp, kp, block_size, earlier)
             with fused_if(plan.finite_keys):
-                _forward(qp, kp, vp, plan, block_size, scale, dtype, into=(out_rows, lse_rows, first, nq, index))
+                _forward(qp, kp, vp, plan, block_size, scale, dtype, into=(out_rows, lse_rows, first, nq, index, q))
             return plan
 
         plans = run_all([lambda i=i, p=p: run(i, *p) for i, p in enumerate(parts)], len(parts))
@@ -507,7 +520,7 @@ def attention_with_query_variants(
     out_rows, lse_rows = _output_rows(b, hq, nq, d, len(parts), dtype, q.device)
 
     def run(index: int, first: int, end: int) -> None:
-        qp, kp, vp = _part(q, first, end), _prefix(k, end, nq), _prefix(v, end, nq)
+        qp, kp, vp = q[:, :, first:end], _prefix(k, end, nq), _prefix(v, end, nq)
         nb = num_blocks(kp.shape[2], block_size)  # a query never selects a block past its own
         positions = torch.arange(first, end, device=q.device) + nk - nq
         own = (positions // block_size)[:, None] == torch.arange(nb, device=q.device)
@@ -515,7 +528,8 @@ def attention_with_query_variants(
         plan = _Plan(qp, kp, block_size, [(0, gated)], variants=(len(queries), variant_chunk))
         q_gated = torch.cat([_part(t, first, end).to(q.dtype) for t in queries]) if len(queries) > 1 else None
         with fused_if(plan.finite_keys):
-            _forward(qp, kp, vp, plan, block_size, scale, dtype, q_gated, into=(out_rows, lse_rows, first, nq, index))
+            into = (out_rows, lse_rows, first, nq, index, q)
+            _forward(qp, kp, vp, plan, block_size, scale, dtype, q_gated, into=into)
 
     run_all([lambda i=i, p=p: run(i, *p) for i, p in enumerate(parts)], len(parts))
     return out_rows[: b * hq * nq].view(b, hq, nq, d)
