@@ -4,8 +4,8 @@
     .venv/bin/python benchmarks/bench_decode.py --model-contexts     # op only
 
 Op: one decode step of one layer (B=1, Hq=9, Hkv=3, D=64, float32, block 512, top 3): MoBA = append the new
-key to the running block sums + the step decode="moba" takes (the sparse kernel, gate + selected blocks, from
-the measured crossover on; a dense step below it) vs `F.scaled_dot_product_attention` over the whole cache; the
+key to the running block sums + the sparse kernel (gate + selected blocks) from the measured crossover on, a
+plain dense step below it (what decode="moba" runs) vs `F.scaled_dot_product_attention` over the whole cache; the
 sums are then rolled back so every repeat sees the same cache (timed too: MoBA is charged twice for the sum
 update). The sparse kernel alone is timed as well. Both are checked against the reference first.
 
@@ -99,11 +99,10 @@ def bench_op(context: int, repeats: int, block: int, top_k: int) -> dict:
     crossover = decode_crossover(q, k, block_size=block, top_k=top_k, gate=GateOptions())
 
     def moba_step(sparse: bool = True):
+        if not sparse:  # below the crossover decode="moba" runs the dense step and keeps no block state
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         state.append(new_key, None)
-        if sparse:
-            out = moba_decode(q, k, v, state.block_keys(), block_size=block, top_k=top_k)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        out = moba_decode(q, k, v, state.block_keys(), block_size=block, top_k=top_k)
         state.sums[:, :, (context - 1) // block] -= new_key[:, :, 0]  # roll back: same cache every repeat
         state.counts -= 1
         state.n -= 1

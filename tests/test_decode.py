@@ -178,7 +178,7 @@ def test_stepwise_cached_decoding_equals_full_forward(arch, decode, monkeypatch)
         assert spy.decodes == 0
 
 
-def test_steps_below_the_crossover_run_dense_and_keep_the_block_state_in_step(monkeypatch):
+def test_steps_below_the_crossover_run_dense_and_the_first_sparse_step_builds_the_block_state(monkeypatch):
     # crossover 4 blocks of 5: a step whose cache holds <= 15 tokens (positions 8..14) is dense, later ones sparse
     monkeypatch.setenv("MOBA_HF_DECODE_CROSSOVER", "4")
     model = tiny_model("llama", MobaConfig(block_size=5, top_k=2, decode="moba"))
@@ -193,7 +193,7 @@ def test_steps_below_the_crossover_run_dense_and_keep_the_block_state_in_step(mo
             got.append(model(ids[:, t : t + 1], **{CACHE: cache}, use_cache=True).logits)
     torch.testing.assert_close(torch.cat(got, dim=1), want, rtol=MODEL_TOL, atol=MODEL_TOL)
     layers = model.config.num_hidden_layers
-    assert (spy.decodes, spy.builds) == ((29 - 15) * layers, layers)  # state built once, through the dense steps
+    assert (spy.decodes, spy.builds) == ((29 - 15) * layers, layers)  # built once, at the first sparse step
 
 
 def test_crossover_is_measured_once_per_setting(monkeypatch):

@@ -289,7 +289,7 @@ def cached_step(
 
     Only with decode="moba", Nq <= DECODE_MAX_QUERIES new queries, every row's real tokens contiguous and
     all new tokens real (what `generate` does, left padding included). Otherwise the block state, if the
-    layer has one, is just kept in step (so sparse steps can start once the cache is long enough).
+    layer has one, is just kept in step.
     """
     install_hooks(module)
     call = current_call(module)
@@ -302,11 +302,16 @@ def cached_step(
     check_cache_supported(cache, layer)
     nq, nk = query.shape[2], key.shape[2]
     decode = config.decode == "moba" and nq < nk and nq <= DECODE_MAX_QUERIES and layer is not None
+    crossover = decode_crossover(query, key, block_size=config.block_size, top_k=config.top_k, gate=config.gate)
+    if decode and -(-nk // config.block_size) < crossover:
+        # a dense step for sure (no row holds more than nk tokens): no block state is built for it; one built
+        # earlier stays in step, and the first sparse step builds one from the cache
+        block_state(cache, layer, key, in_step, padding_mask, config, create=False)
+        return DENSE_STEP
     state = block_state(cache, layer, key, in_step, padding_mask, config, create=decode) if layer is not None else None
     if not decode or state is None or not state.contiguous_rows() or bool((state.counts < nq).any()):
         return None
-    blocks = -(-int(state.counts.max()) // config.block_size)
-    if blocks < decode_crossover(query, key, block_size=config.block_size, top_k=config.top_k, gate=config.gate):
+    if -(-int(state.counts.max()) // config.block_size) < crossover:
         return DENSE_STEP
     out, selected = moba_decode(
         query, key, value, state.block_keys(), scale=scale, starts=state.starts, return_selection=True,
