@@ -6,7 +6,8 @@ For each setting one engine (a subprocess: vLLM starts processes) times, per pro
 token (a request with max_tokens=1: the prefill), prefill tokens/s, and decode tokens/s (a second request of
 1 + N tokens; its extra time over the first is N decode steps). Before timing, the plugin's greedy tokens on
 the first min(shortest length, 2048) tokens are checked against the transformers path with the same
-MobaConfig. Rows go to a CSV with the machine, versions, settings and date on each (benchmarks/results_serving.csv by default).
+MobaConfig. Rows go to a CSV with the machine, versions, settings and date on each
+(benchmarks/results_serving.csv by default).
 Lengths above the model's 8K context set VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 and max_position_embeddings to the
 longest length (vLLM's RoPE table would end at 8K; positions past the trained range: a speed measurement only).
 """
