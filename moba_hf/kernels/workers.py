@@ -98,6 +98,18 @@ def run_all(parts: Sequence[Callable[[], T]], workers: int) -> list[T]:
     """
     if workers <= 1 or len(parts) <= 1 or not _get_pool().grow(len(parts)):
         return [part() for part in parts]
+    return _on_workers(parts)
+
+
+def run_single_threaded(fn: Callable[[], T], device: torch.device) -> T:
+    """fn() on one single-threaded worker (inline off CPU, on one thread, or inside a worker): for work made of
+    many short ops, which intra-op threads only slow down (each waits whenever one thread is descheduled)."""
+    if worker_count(device) <= 1 or not _get_pool().grow(1):
+        return fn()
+    return _on_workers([fn])[0]
+
+
+def _on_workers(parts: Sequence[Callable[[], T]]) -> list[T]:
     pool = _get_pool()
     grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
     results: list = [None] * len(parts)
