@@ -6,7 +6,8 @@
 Each backend is first checked against `moba_attention_reference` (forward and gradients) on a small awkward
 case; a mismatch drops it. Every function is warmed up, then SDPA and the backends alternate call by call, so all
 see the same machine load; `--busy N` runs N CPU-bound processes beside the timing. Timings are min / median over
-repeats (wall clock); ratio = SDPA time / MoBA time (> 1: MoBA is faster). Peak memory of one forward is measured
+repeats (wall clock); ratio = SDPA time / MoBA time (> 1: MoBA is faster); limit = the ratio the work allows
+(causal pairs over MoBA's attended pairs plus its gate's dot products). Peak memory of one forward is measured
 in a fresh subprocess per case: peak RSS (VmHWM, reset just before the call) minus the RSS just before the call,
 inputs already allocated — so it counts what the attention itself allocates, output included (PyTorch has no CPU
 allocator statistics). The children run with MALLOC_MMAP_THRESHOLD_=65536 so glibc returns freed large buffers to
@@ -192,6 +193,15 @@ def memory(name: str, n: int, args) -> float | None:
         return None
 
 
+def flop_limit(n: int, block_size: int, top_k: int, sink_blocks: int = 0, local_blocks: int = 0) -> float:
+    """The best ratio MoBA can reach at N over causal attention, by work: causal query-key pairs over MoBA's
+    attended pairs plus its gate's dot products (one per query and earlier block)."""
+    c = torch.arange(n, dtype=torch.float64) // block_size  # each query's own block
+    own = torch.arange(n, dtype=torch.float64) - c * block_size + 1
+    picked = torch.minimum(c, torch.tensor(float(max(top_k - 1, sink_blocks + local_blocks))))
+    return n * (n + 1) / 2 / float((own + picked * block_size + c).sum())
+
+
 def append_rows(path: Path, rows: list[dict]) -> None:
     """Append CSV rows; a file written before a column existed is rewritten with the new columns (left empty)."""
     old: list[dict] = []
@@ -295,6 +305,9 @@ def main() -> None:
                         "moba_median_s": round(statistics.median(times), 4),
                         "ratio_min": round(min(ref) / min(times), 2),
                         "ratio_median": round(statistics.median(ref) / statistics.median(times), 2),
+                        "flop_limit": round(
+                            flop_limit(n, args.block_size, args.top_k, args.sink_blocks, args.local_blocks), 1
+                        ),
                         "sdpa_peak_mib": None if mode != "fwd" or base_mem is None else round(base_mem, 1),
                         "moba_peak_mib": None if mode != "fwd" or mem is None else round(mem, 1),
                     }
@@ -307,13 +320,14 @@ def main() -> None:
         print(f"\n{meta}  (ratio = SDPA time / MoBA time; memory = peak RSS growth of one forward)")
         print(
             f"{'N':>6} {'backend':>8} {'mode':>8} {'SDPA min/med s':>16} {'MoBA min/med s':>16}"
-            f" {'ratio':>6} {'mem MiB':>14}"
+            f" {'ratio':>6} {'limit':>6} {'mem MiB':>14}"
         )
         for r in rows:
             mem = "" if r["moba_peak_mib"] is None else f"{r['moba_peak_mib']:.0f} vs {r['sdpa_peak_mib']:.0f}"
             print(
                 f"{r['n']:>6} {r['backend']:>8} {r['mode']:>8} {r['sdpa_min_s']:>7.3f}/{r['sdpa_median_s']:<8.3f}"
-                f" {r['moba_min_s']:>7.3f}/{r['moba_median_s']:<8.3f} {r['ratio_min']:>6.2f} {mem:>14}"
+                f" {r['moba_min_s']:>7.3f}/{r['moba_median_s']:<8.3f} {r['ratio_min']:>6.2f}"
+                f" {r['flop_limit']:>6.1f} {mem:>14}"
             )
         print(f"CSV: {path}")
 
