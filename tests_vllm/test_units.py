@@ -335,6 +335,15 @@ def test_dca_accepts_llama3_rope(monkeypatch, tmp_path):
     assert backend._setup(vllm_config(path, hf_overrides={"moba_config": moba})).dca is not None
 
 
+def test_dca_past_the_window_with_a_raised_rope_table(monkeypatch):
+    # SmolLM2 (8K window) at 16K: vLLM's RoPE table raised to 16K, DCA's c set explicitly
+    monkeypatch.delenv(settings.ENV, raising=False)
+    moba = {"sparse": False, "dca": {"pretraining_length": 4096, "temperature": True}}
+    overrides = {"max_position_embeddings": 16384, "moba_config": moba}
+    setup = backend._setup(vllm_config(hf_overrides=overrides, max_model_len=16384))
+    assert setup.dca.params == DcaParams(pretraining_length=4096, chunk_size=3584, temperature=True)
+
+
 DENSE_DCA = {"moba_config": {"sparse": False, "dca": True}}
 DCA_REFUSALS = {
     "rope-yarn": (
