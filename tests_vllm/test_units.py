@@ -312,8 +312,9 @@ def test_dca_from_the_moba_config(monkeypatch):
     moba = {"sparse": False, "dca": {"pretraining_length": 1024, "temperature": True}}
     setup = backend._setup(vllm_config(hf_overrides={"moba_config": moba}))
     assert setup.dca.params == DcaParams(pretraining_length=1024, chunk_size=896, temperature=True)
-    rotary = AutoConfig.from_pretrained(model_path())
-    want = 1.0 / rotary.rope_parameters["rope_theta"] ** (torch.arange(0, D, 2).float() / D)
+    model = AutoConfig.from_pretrained(model_path())
+    head_dim = model.hidden_size // model.num_attention_heads
+    want = 1.0 / model.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim)
     torch.testing.assert_close(setup.dca.inv_freq, want)
     moba = {"block_size": 128, "top_k": 2, "dca": {"pretraining_length": 1024}}
     assert backend._setup(vllm_config(hf_overrides={"moba_config": moba})).dca.params.chunk_size == 896
