@@ -1,15 +1,19 @@
 """vLLM serving speed on CPU: vLLM's own attention against the MoBA plugin, in the same run.
 
     .venv-vllm/bin/python benchmarks/bench_serving.py --lengths 2048 4096 8192 [--moba '{"block_size": 512}']
+    .venv-vllm/bin/python benchmarks/bench_serving.py --lengths 2048 4096 --settings vllm dca dca+moba \
+        --dca '{"pretraining_length": 1024}' --moba '{"block_size": 128, "top_k": 4, "decode": "full"}'
 
-For each setting one engine (a subprocess: vLLM starts processes) times, per prompt length, time to first
-token (a request with max_tokens=1: the prefill), prefill tokens/s, and decode tokens/s (a second request of
-1 + N tokens; its extra time over the first is N decode steps). Before timing, the plugin's greedy tokens on
-the first min(shortest length, 2048) tokens are checked against the transformers path with the same
-MobaConfig. Rows go to a CSV with the machine, versions, settings and date on each
-(benchmarks/results_serving.csv by default).
-Lengths above the model's 8K context set VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 and max_position_embeddings to the
-longest length (vLLM's RoPE table would end at 8K; positions past the trained range: a speed measurement only).
+Settings: vllm (vLLM's own attention, plugin off), moba (--moba), dca (dense DCA: sparse = false with --dca),
+dca+moba (--moba with --dca). For each setting one engine (a subprocess: vLLM starts processes) times, per
+prompt length, time to first token (a request with max_tokens=1: the prefill), prefill tokens/s, and decode
+tokens/s (a second request of 1 + N tokens; its extra time over the first is N decode steps). Before timing,
+each plugin setting's greedy tokens on the first min(shortest length, 2048) tokens (inside the model's trained
+window) are checked against the transformers path with the same MobaConfig. Rows go to a CSV with the machine, versions, settings and date on each
+(benchmarks/results_serving.csv by default). Lengths above the model's 8K context set
+VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 and raise max_position_embeddings to the longest request, so vLLM's RoPE
+table covers it (vLLM's own attention past the window: a cost baseline, not a quality one; DCA then needs
+pretraining_length in --dca).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+SETTINGS = ("vllm", "moba", "dca", "dca+moba")
 
 
 def engine_main(job_file: str, out_file: str) -> None:
@@ -80,6 +85,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     p.add_argument("--moba", default='{"block_size": 512, "top_k": 3}', help="MobaConfig as JSON or a preset name")
+    p.add_argument("--dca", default='{"pretraining_length": 4096}', help="DcaConfig as JSON (dca, dca+moba)")
+    p.add_argument("--settings", nargs="+", default=["vllm", "moba"], choices=SETTINGS)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--dtype", default="float32")
@@ -95,7 +102,13 @@ def main() -> int:
     from moba_hf.models import local_path
 
     moba = json.loads(args.moba) if args.moba.lstrip().startswith("{") else args.moba
-    config = moba_hf.MobaConfig.from_spec(moba)
+    moba_config = moba_hf.MobaConfig.from_spec(moba)
+    dca = moba_hf.DcaConfig.from_dict(json.loads(args.dca))
+    configs = {
+        "moba": moba_config,
+        "dca": moba_hf.MobaConfig(sparse=False, dca=dca),
+        "dca+moba": moba_config.replace(dca=dca),
+    }
     path = str(local_path())
     tokenizer = AutoTokenizer.from_pretrained(path)
     text_ids = tokenizer(generated_text(max(args.lengths), seed=0), add_special_tokens=False).input_ids
@@ -108,30 +121,36 @@ def main() -> int:
         max_num_batched_tokens=max_len, enable_prefix_caching=False,
     )  # fmt: skip
     env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-    overrides: dict = {}
+    env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = "3600"  # a one-shot long prefill on few cores: over 300 s
+    overrides = {}
     if max_len > 8192:
         env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
-        # vLLM tabulates RoPE for max_position_embeddings positions and reads past the table beyond it
-        overrides["max_position_embeddings"] = max_len
-    engine["hf_overrides"] = overrides
+        overrides["max_position_embeddings"] = max_len  # vLLM's RoPE table must cover every position
     job = dict(prompts=prompts, verify=verify, verify_tokens=verify_tokens, repeats=args.repeats,
                decode_tokens=args.decode_tokens)  # fmt: skip
-    results = {
-        "vllm": run_engine({**job, "engine": engine}, {**env, "VLLM_PLUGINS": "none"}),
-        "moba": run_engine(
-            {**job, "engine": {**engine, "hf_overrides": {**overrides, "moba_config": config.to_dict()}}}, env
-        ),
-    }
+    results = {}
+    for name in args.settings:
+        if name == "vllm":
+            engine_env, hf_overrides = {**env, "VLLM_PLUGINS": "none"}, overrides
+        else:
+            engine_env, hf_overrides = env, {**overrides, "moba_config": configs[name].to_dict()}
+        results[name] = run_engine({**job, "engine": {**engine, "hf_overrides": hf_overrides}}, engine_env)
 
-    model = moba_hf.from_pretrained(path, moba=config, dtype=getattr(torch, args.dtype)).eval()
-    with torch.inference_mode():
-        ids = torch.tensor([verify])
-        hf = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=verify_tokens, do_sample=False)
-    hf_tokens = hf[0, len(verify) :].tolist()
-    if results["moba"]["verify"] != hf_tokens[: len(results["moba"]["verify"])]:
-        print(f"plugin != transformers path at {len(verify)} tokens: {results['moba']['verify']} vs {hf_tokens}")
-        return 1
-    print(f"verified: plugin greedy tokens == transformers path at {len(verify)} tokens ({config})")
+    for name in args.settings:
+        if name == "vllm":
+            continue
+        config = configs[name]
+        model = moba_hf.from_pretrained(path, moba=config, dtype=getattr(torch, args.dtype)).eval()
+        with torch.inference_mode():
+            ids = torch.tensor([verify])
+            hf = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=verify_tokens, do_sample=False)
+        hf_tokens = hf[0, len(verify) :].tolist()
+        if results[name]["verify"] != hf_tokens[: len(results[name]["verify"])]:
+            print(
+                f"{name}: plugin != transformers path at {len(verify)} tokens: {results[name]['verify']} vs {hf_tokens}"
+            )
+            return 1
+        print(f"verified: {name} greedy tokens == transformers path at {len(verify)} tokens ({config})")
 
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     machine = f"{platform.processor() or platform.machine()} x{os.cpu_count()}"
@@ -139,8 +158,8 @@ def main() -> int:
     header = ("tokens", "attention", "TTFT s", "prefill tok/s", "decode tok/s", "TTFT vs vLLM")
     print(" ".join(f"{h:>{w}}" for h, w in zip(header, (7, 9, 8, 14, 13, 13), strict=True)))
     for i, n in enumerate(args.lengths):
-        base_ttft = min(results["vllm"]["rows"][i]["ttft"])
-        for name in ("vllm", "moba"):
+        base_ttft = min(results["vllm"]["rows"][i]["ttft"]) if "vllm" in results else float("nan")
+        for name in args.settings:
             row = results[name]["rows"][i]
             ttft = min(row["ttft"])
             extra = min(row["full"]) - ttft  # under load this can come out <= 0: then no decode figure
@@ -149,7 +168,7 @@ def main() -> int:
             print(f"{n:>7} {name:>9} {ttft:8.2f} {n / ttft:14.0f} {decode:13.1f} {ratio:12.2f}x")
             out_rows.append(dict(
                 date=stamp, machine=machine, torch=torch.__version__, vllm=vllm.__version__, dtype=args.dtype,
-                attention=name, moba=str(config) if name == "moba" else "", tokens=n, repeats=args.repeats,
+                attention=name, moba=str(configs[name]) if name in configs else "", tokens=n, repeats=args.repeats,
                 ttft_s_min=round(ttft, 4), ttft_s_median=round(statistics.median(row["ttft"]), 4),
                 prefill_tok_s=round(n / ttft, 1), decode_tok_s=round(decode, 2), ttft_speedup=round(ratio, 3),
             ))  # fmt: skip

@@ -66,7 +66,8 @@ def engine_kwargs(**extra) -> dict:
 
 
 def run_engine(job: dict, env: dict[str, str] | None = None, timeout: float = ENGINE_TIMEOUT_S) -> dict:
-    """Start one engine in a subprocess, run the job's phases, return its results (fails with the log)."""
+    """Start one engine in a subprocess, run the job's phases, return its results and, under "_log", its
+    output (fails with the log)."""
     with tempfile.TemporaryDirectory() as tmp:
         job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "out.json"
         job_file.write_text(json.dumps(job))
@@ -80,7 +81,7 @@ def run_engine(job: dict, env: dict[str, str] | None = None, timeout: float = EN
         )
         if proc.returncode != 0 or not out_file.is_file():
             pytest.fail(f"engine run failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}")
-        return json.loads(out_file.read_text())
+        return {**json.loads(out_file.read_text()), "_log": proc.stdout + proc.stderr}
 
 
 def start_engine_expecting_refusal(engine: dict, env: dict[str, str] | None = None, timeout: float = 300) -> str:
@@ -100,14 +101,15 @@ def start_engine_expecting_refusal(engine: dict, env: dict[str, str] | None = No
         return proc.stdout + proc.stderr
 
 
-def hf_generate(moba: dict | None, prompts: list[list[int]], max_tokens: int) -> list[dict]:
-    """The transformers path (attn_implementation="moba", or "sdpa" for moba=None), greedy, float32."""
+def hf_generate(moba: dict | None, prompts: list[list[int]], max_tokens: int, path: str | None = None) -> list[dict]:
+    """The transformers path (attn_implementation="moba", or "sdpa" for moba=None), greedy, float32; the
+    embedded SmolLM2 unless `path`."""
     import torch
 
     import moba_hf
 
     kwargs = {"moba": moba} if moba is not None else {"attn_implementation": "sdpa"}
-    model = moba_hf.from_pretrained(model_path(), dtype=torch.float32, **kwargs).eval()
+    model = moba_hf.from_pretrained(path or model_path(), dtype=torch.float32, **kwargs).eval()
     results = []
     with torch.inference_mode():
         for ids in prompts:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -10,8 +11,11 @@ from conftest import MAX_MODEL_LEN, model_path
 from vllm import _custom_ops as ops
 
 from moba_hf import MobaConfig, causal_attention, moba_attention
+from moba_hf.dca.config import DcaParams
+from moba_hf.kernels.dca import dca_attention
+from moba_hf.kernels.rope import default_inv_freq, rotate
 from moba_hf.vllm import backend, settings
-from moba_hf.vllm.paged import moba_paged
+from moba_hf.vllm.paged import PagedDca, moba_paged
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE, HQ, HKV, D = 32, 6, 2, 64
@@ -92,6 +96,91 @@ def test_skip_decodes_leaves_decode_rows_to_the_caller():
         assert bool(rows.isnan().all()) == (nq == 1)
 
 
+# DCA with c = 64, s = 48 (MoBA blocks of 16 tile a chunk): a prompt over four chunks, a decode step, a chunk of
+# 40 crossing a DCA chunk boundary (90 cached), a prompt after a cached prefix of 96, a one-token prompt, a prompt
+# and a decode step inside the first chunk (plain attention there)
+DCA_SEQ_LENS = [150, 175, 130, 200, 1, 30, 40]
+DCA_QUERY_LENS = [150, 1, 40, 104, 1, 30, 1]
+C, S = 64, 48
+
+
+def dca_paged_batch(dca: PagedDca, seq_lens, query_lens):
+    """A batch as vLLM hands it to the backend: q / k of the new tokens rotated at their index p (vLLM's RoPE),
+    the cached keys at p mod s (written by earlier steps); the new keys go through `PagedDca.move` and vLLM's
+    cache op, as `do_kv_cache_update` does. Also returns each sequence's raw (unrotated) q, k, v."""
+    kv_cache, table, starts, raw_k, values, raw_q, _, new_v = paged_batch(seq_lens, query_lens, seed=1)
+    k_view, v_view = kv_cache.view(kv_cache.shape[0], HKV, PAGE * 2, D).chunk(2, dim=2)
+    queries, new_k = [], []
+    for i, (n, nq) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        p = torch.arange(n)
+        slots = table[i].long().repeat_interleave(PAGE)[:n] * PAGE + p % PAGE
+        cached = rotate(raw_k[i][: n - nq], (p % S)[: n - nq, None], dca.inv_freq)
+        ops.cpu_attn_reshape_and_cache(cached, values[i][: n - nq], k_view, v_view, slots[: n - nq], "vec")
+        new_k.append(rotate(raw_k[i][n - nq :], p[n - nq :, None], dca.inv_freq))
+        queries.append(rotate(raw_q[starts[i] : starts[i + 1]], p[n - nq :, None], dca.inv_freq))
+    query, key = torch.cat(queries), torch.cat(new_k)
+    delta = dca.deltas(starts, seq_lens)
+    moved = dca.move(key, delta)
+    slots = torch.cat([table[i].long().repeat_interleave(PAGE)[n - nq : n] * PAGE + torch.arange(n - nq, n) % PAGE
+                       for i, (n, nq) in enumerate(zip(seq_lens, query_lens, strict=True))])  # fmt: skip
+    ops.cpu_attn_reshape_and_cache(moved, new_v, k_view, v_view, slots, "vec")
+    return kv_cache, table, starts, raw_q, raw_k, values, dca.move(query, delta), moved, new_v
+
+
+@pytest.mark.parametrize(
+    "config,temperature",
+    [
+        (MobaConfig(sparse=False), False),
+        (MobaConfig(block_size=16, top_k=3), True),
+        (MobaConfig(block_size=16, top_k=2, pooling="bound", sink_blocks=1, local_blocks=1, decode="full"), False),
+    ],
+    ids=["dense", "blk16-k3-temperature", "blk16-k2-bound-sink1-local1-decodefull"],
+)
+def test_paged_dca_mixed_batch_equals_dca_per_sequence(config, temperature):
+    dca = PagedDca(DcaParams(pretraining_length=C, chunk_size=S, temperature=temperature), default_inv_freq(D, 1e4))
+    kv_cache, table, starts, raw_q, raw_k, values, query, key, value = dca_paged_batch(
+        dca, DCA_SEQ_LENS, DCA_QUERY_LENS
+    )
+    key_cache, value_cache = backend.cache_views(kv_cache)
+    output = torch.full_like(query, float("nan"))
+    scale = D**-0.5
+    moba_paged(
+        query, key, value, key_cache, value_cache, output, query_start_loc=starts, seq_lens=DCA_SEQ_LENS,
+        block_table=table, config=config, scale=scale, dense=not config.sparse, dca=dca,
+    )  # fmt: skip
+    gate = dict(pooling=config.pooling, sink_blocks=config.sink_blocks, local_blocks=config.local_blocks)
+    for i, (n, nq) in enumerate(zip(DCA_SEQ_LENS, DCA_QUERY_LENS, strict=True)):
+        # the reference rotates the raw q / k straight to their DCA positions: i mod s, j mod s
+        p = torch.arange(n)
+        q = rotate(raw_q[starts[i] : starts[i + 1]], p[n - nq :, None] % S, dca.inv_freq).transpose(0, 1)[None]
+        k = rotate(raw_k[i], p[:, None] % S, dca.inv_freq).transpose(0, 1)[None]
+        v = values[i].transpose(0, 1)[None]
+        dense = not config.sparse or (nq == 1 and config.decode == "full")
+        moba = {} if dense else dict(block_size=config.block_size, top_k=config.top_k, **gate)
+        if n > S:
+            want = dca_attention(
+                q, k, v, pretraining_length=C, chunk_size=S, inv_freq=dca.inv_freq, scale=scale,
+                temperature=dca.params.temperature_factor(n), **moba,
+            )  # fmt: skip
+        elif dense:
+            want = causal_attention(q, k, v, scale=scale)
+        else:
+            want = moba_attention(q, k, v, scale=scale, **moba)
+        got = output[starts[i] : starts[i + 1]].transpose(0, 1)[None]
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5, msg=f"sequence {i}")
+
+
+def test_dca_deltas_follow_the_sequence_positions():
+    dca = PagedDca(DcaParams(pretraining_length=C, chunk_size=S), default_inv_freq(D, 1e4))
+    starts = [0, 3, 4, 6]
+    delta = dca.deltas(starts, [3, 100, 50])  # a prompt, a decode at position 99, two tokens at 48 and 49
+    assert delta.tolist() == [0, 0, 0, 99 % S - 99, -48, -48]
+    key = torch.randn(8, HKV, D)  # two rows of padding past the batch's tokens stay as they are
+    moved = dca.move(key, delta)
+    assert torch.equal(moved[6:], key[6:]) and torch.equal(moved[:3], key[:3])
+    torch.testing.assert_close(moved[4:6], rotate(key[4:6], torch.tensor([[-48], [-48]]), dca.inv_freq))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("isa", ["vec", "vec16"])
 def test_cache_layout_check_reads_vllm_layout(isa, dtype):
@@ -119,16 +208,16 @@ def test_no_moba_config_leaves_vllm_alone(monkeypatch):
 
 def test_sources_and_precedence(monkeypatch):
     monkeypatch.setenv(settings.ENV, "training-free")
-    config, dense = backend._setup(vllm_config())
-    assert config == MobaConfig.preset("training-free") and dense == {27, 28, 29}
-    config, dense = backend._setup(vllm_config(hf_overrides={"moba_config": {"block_size": 256, "top_k": 2}}))
+    config, dense, dca = backend._setup(vllm_config())
+    assert config == MobaConfig.preset("training-free") and dense == {27, 28, 29} and dca is None
+    config, dense, _ = backend._setup(vllm_config(hf_overrides={"moba_config": {"block_size": 256, "top_k": 2}}))
     assert config == MobaConfig(block_size=256, top_k=2) and dense == frozenset()
 
 
 @pytest.mark.parametrize("name", ["long_doc", "chat", "code"])
 def test_serving_configs(name, monkeypatch):
     monkeypatch.setenv(settings.ENV, str(ROOT / "configs" / f"serving_{name}.toml"))
-    config, dense = backend._setup(vllm_config())
+    config, dense, _ = backend._setup(vllm_config())
     expected = {
         "long_doc": (MobaConfig(block_size=4096, top_k=4, full_attn_layers=2, decode="full"), {28, 29}),
         "chat": (MobaConfig(block_size=2048, top_k=3, decode="full"), set()),
@@ -157,7 +246,6 @@ REFUSALS = {
         dict(hf_overrides={"moba_config": {"full_attn_layer_ids": [30]}}),
         "outside the model's layers",
     ),
-    "dca": (dict(hf_overrides={"moba_config": {"dca": True}}), "does not run Dual Chunk Attention"),
     "fp8-kv-cache": (dict(hf_overrides={"moba_config": {}}, kv_cache_dtype="fp8"), "not readable by the MoBA"),
 }
 
@@ -200,3 +288,121 @@ def test_refuses_sliding_window(monkeypatch, tmp_path):
     )  # fmt: skip
     with pytest.raises(settings.MobaSetupError, match="sliding"):
         backend._setup(vllm_config(path))
+
+
+# --- Dual Chunk Attention: where the engine finds it, and what it refuses ------------------------------------------
+QWEN_DCA = {"chunk_size": 1023, "local_size": 127}  # c = 1024, s = 896 (the transformers path's mapping)
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "rope_theta": 100000.0, "factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 4096,
+}  # fmt: skip
+
+
+def qwen_dir(tmp_path, **config):
+    return model_dir(
+        tmp_path, model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=False,
+        sliding_window=None, **config,
+    )  # fmt: skip
+
+
+def test_dca_from_the_moba_config(monkeypatch):
+    from transformers import AutoConfig
+
+    monkeypatch.delenv(settings.ENV, raising=False)
+    moba = {"sparse": False, "dca": {"pretraining_length": 1024, "temperature": True}}
+    setup = backend._setup(vllm_config(hf_overrides={"moba_config": moba}))
+    assert setup.dca.params == DcaParams(pretraining_length=1024, chunk_size=896, temperature=True)
+    model = AutoConfig.from_pretrained(model_path())
+    head_dim = model.hidden_size // model.num_attention_heads
+    want = 1.0 / model.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    torch.testing.assert_close(setup.dca.inv_freq, want)
+    moba = {"block_size": 128, "top_k": 2, "dca": {"pretraining_length": 1024}}
+    assert backend._setup(vllm_config(hf_overrides={"moba_config": moba})).dca.params.chunk_size == 896
+
+
+def test_qwen_dual_chunk_attention_config_turns_dense_dca_on(monkeypatch, tmp_path):
+    monkeypatch.delenv(settings.ENV, raising=False)
+    path = qwen_dir(tmp_path, dual_chunk_attention_config=QWEN_DCA)
+    config, dense, dca = backend._setup(vllm_config(path))
+    assert config == MobaConfig(sparse=False) and dca.params == DcaParams(pretraining_length=1024, chunk_size=896)
+    off = backend._setup(vllm_config(path, hf_overrides={"moba_config": {"block_size": 128, "dca": False}}))
+    assert off.dca is None and off.config.sparse
+
+
+def test_dca_accepts_llama3_rope(monkeypatch, tmp_path):
+    monkeypatch.delenv(settings.ENV, raising=False)
+    path = model_dir(tmp_path, rope_scaling=LLAMA3_ROPE)
+    moba = {"sparse": False, "dca": {"pretraining_length": 1024}}
+    assert backend._setup(vllm_config(path, hf_overrides={"moba_config": moba})).dca is not None
+
+
+def test_dca_past_the_window_with_a_raised_rope_table(monkeypatch):
+    # SmolLM2 (8K window) at 16K: vLLM's RoPE table raised to 16K, DCA's c set explicitly
+    monkeypatch.delenv(settings.ENV, raising=False)
+    moba = {"sparse": False, "dca": {"pretraining_length": 4096, "temperature": True}}
+    overrides = {"max_position_embeddings": 16384, "moba_config": moba}
+    setup = backend._setup(vllm_config(hf_overrides=overrides, max_model_len=16384))
+    assert setup.dca.params == DcaParams(pretraining_length=4096, chunk_size=3584, temperature=True)
+
+
+DENSE_DCA = {"moba_config": {"sparse": False, "dca": True}}
+DCA_REFUSALS = {
+    "rope-yarn": (
+        dict(rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4096}),
+        dict(hf_overrides=DENSE_DCA),
+        "supports the rope types default, llama3; this model's is 'yarn'",
+    ),
+    "rope-linear": (
+        dict(rope_scaling={"rope_type": "linear", "factor": 2.0}),
+        dict(hf_overrides=DENSE_DCA),
+        "this model's is 'linear'",
+    ),
+    "chunk-not-block-multiple": (
+        {},
+        dict(hf_overrides={"moba_config": {"block_size": 128, "dca": {"pretraining_length": 1024, "chunk_size": 900}}}),
+        "chunk_size=900 must be a multiple of the MoBA block_size=128",
+    ),
+    "window-not-block-multiple": (
+        {},
+        dict(
+            hf_overrides={"moba_config": {"block_size": 128, "dca": {"pretraining_length": 1024, "local_window": 100}}}
+        ),
+        "chunk_size=924 must be a multiple of the MoBA block_size=128",
+    ),
+    "max-model-len-past-rope-table": (
+        dict(max_position_embeddings=2048),
+        dict(hf_overrides=DENSE_DCA),
+        "max_model_len=4096 needs RoPE positions up to 4095, but vLLM's RoPE table covers max_position_embeddings=2048",
+    ),
+    "raised-table-moves-c": (
+        {},
+        dict(hf_overrides={**DENSE_DCA, "max_position_embeddings": 16384}, max_model_len=16384),
+        "follows max_position_embeddings, which --hf-overrides raises to 16384; set pretraining_length",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(DCA_REFUSALS))
+def test_dca_refusals(case, monkeypatch, tmp_path):
+    monkeypatch.delenv(settings.ENV, raising=False)
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # vLLM's own length check comes first otherwise
+    checkpoint, kwargs, message = DCA_REFUSALS[case]
+    path = model_dir(tmp_path, **checkpoint) if checkpoint else None
+    with pytest.raises(settings.MobaSetupError, match=re.escape(message)):
+        backend._setup(vllm_config(path, **kwargs))
+
+
+def test_plain_rope_replaces_dual_chunk_rope():
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import DualChunkRotaryEmbedding, RotaryEmbedding
+
+    from moba_hf.vllm import register, rope
+
+    register()
+    with set_current_vllm_config(VllmConfig()):
+        rotary = DualChunkRotaryEmbedding(D, D, 4096, 1e4, True, torch.float32, chunk_size=1023, local_size=127)
+        plain = RotaryEmbedding(D, D, 4096, 1e4, True, torch.float32)
+    assert isinstance(rotary, rope.PlainRotaryEmbedding)
+    positions, q, k = torch.arange(7) * 300, torch.randn(7, HQ * D), torch.randn(7, HKV * D)
+    got, want = rotary.forward_native(positions, q.clone(), k.clone()), plain.forward_native(positions, q, k)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

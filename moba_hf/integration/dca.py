@@ -92,11 +92,15 @@ def model_inv_freq(module: torch.nn.Module, device: torch.device) -> torch.Tenso
     cached = module.__dict__.get(_INV_FREQ_ATTR)
     if cached is not None and cached.device == device:
         return cached
-    config = module.config
-    inv_freq = family_of(type(config)).rotary(config=config).inv_freq  # resolve() -> check_dca_rope found it
-    inv_freq = inv_freq.detach().to(device=device, dtype=torch.float32)
+    inv_freq = config_inv_freq(module.config).to(device)
     setattr(module, _INV_FREQ_ATTR, inv_freq)
     return inv_freq
+
+
+def config_inv_freq(model_config: Any) -> torch.Tensor:
+    """float32 [head_dim / 2]: the RoPE inverse frequencies of the model's own rotary class
+    (`resolve` -> `support.check_dca_rope` found it)."""
+    return family_of(type(model_config)).rotary(config=model_config).inv_freq.detach().to(torch.float32)
 
 
 def drop_cached_frequencies(model: torch.nn.Module) -> None:

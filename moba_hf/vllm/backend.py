@@ -8,6 +8,10 @@ dense computation are vLLM's own; what changes is the attention of the tokens Mo
     decode tokens (one new token): decode = "full"  ->  vLLM's CPU kernel on the decode rows only
                                    decode = "moba"  ->  moba_attention with Nq = 1 per sequence
 
+With Dual Chunk Attention every layer and token runs per sequence (`paged.moba_paged` with `PagedDca`):
+`do_kv_cache_update` moves the new keys to ``p mod s`` before vLLM's cache write, and `forward` moves the
+queries the same way; dense layers and decode = "full" get dense DCA, the others DCA + MoBA.
+
 Without a MoBA config (see `settings`) every layer is vLLM's CPU backend, unchanged.
 """
 
@@ -15,10 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import (
@@ -30,7 +35,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from ..config import MobaConfig
 from . import settings
-from .paged import is_decode, moba_paged
+from .paged import PagedDca, is_decode, moba_paged
 
 logger = logging.getLogger("moba_hf")
 _described: set[str] = set()
@@ -44,18 +49,27 @@ class MobaAttentionMetadata(CPUAttentionMetadata):
     # decode = "full" in a batch that mixes decodes and prefills: the decode rows alone, for vLLM's kernel
     decode_rows: torch.Tensor | None = None  # token indices of the one-token queries
     decode_metadata: CPUAttentionMetadata | None = None
+    # DCA: (tokens,) how far each new token's q / k move (to p mod s); None when none moves
+    dca_delta: torch.Tensor | None = None
 
 
-def _setup(vllm_config: VllmConfig) -> tuple[MobaConfig, frozenset[int]] | None:
+class Setup(NamedTuple):
+    config: MobaConfig
+    dense: frozenset[int]  # layer indices of full attention
+    dca: PagedDca | None
+
+
+def _setup(vllm_config: VllmConfig) -> Setup | None:
     found = settings.resolve(vllm_config)
     if found is None:
         return None
     config, serving, where = found
     dense = settings.check(vllm_config, config, serving, where)
+    dca = settings.dca_setup(vllm_config, config, where)
     if where not in _described:
         _described.add(where)
-        logger.warning(settings.describe(config, dense, where))
-    return config, dense
+        logger.warning(settings.describe(config, dense, where, dca))
+    return Setup(config, dense, dca)
 
 
 def cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,7 +109,8 @@ class MobaAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: VllmConfig, device: Any) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         setup = _setup(vllm_config)
-        self.moba = setup[0] if setup is not None else None
+        self.moba = setup.config if setup is not None else None
+        self.dca = setup.dca if setup is not None else None
         if self.moba is not None:
             check_cache_layout(self.isa, self.dtype, self.block_size, self.head_dim)
 
@@ -111,6 +126,10 @@ class MobaAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         query_lens = [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)]
         meta = MobaAttentionMetadata(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
         meta.query_start_list, meta.seq_len_list = starts, lens
+        if self.dca is not None:  # every token runs per sequence: no decode sub-batch for vLLM's kernel
+            delta = self.dca.deltas(starts, lens)
+            meta.dca_delta = delta if bool(delta.any()) else None
+            return meta
         decodes = [i for i, n in enumerate(query_lens) if is_decode(n)]
         if self.moba.decode == "full" and decodes and len(decodes) < common.num_reqs:
             idx = torch.tensor(decodes, dtype=torch.long)
@@ -147,14 +166,20 @@ class MobaAttentionImpl(CPUAttentionBackendImpl):
         attn_type: str = AttentionType.DECODER,
         kv_sharing_target_layer_name: str | None = None,
         sinks: torch.Tensor | None = None,
+        layer_idx: int | None = None,
+        dual_chunk_attention_config: dict[str, Any] | None = None,
     ) -> None:
+        # layer_idx, dual_chunk_attention_config: what vLLM's Qwen2 layers pass with a dual_chunk_attention_config
+        # (for vLLM's former DCA backend); `settings` reads that block from the model config itself
         super().__init__(
             num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
             logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks,
         )  # fmt: skip
         vllm_config = get_current_vllm_config()
         setup = _setup(vllm_config) if attn_type == AttentionType.DECODER else None
-        self.moba, self.dense_layers = setup if setup is not None else (None, frozenset())
+        self.moba = setup.config if setup is not None else None
+        self.dense_layers = setup.dense if setup is not None else frozenset()
+        self.dca = setup.dca if setup is not None else None
         if self.moba is not None:
             unsupported = {
                 "sliding_window": sliding_window,
@@ -182,6 +207,15 @@ class MobaAttentionImpl(CPUAttentionBackendImpl):
             self._layer_dense = index in self.dense_layers or not self.moba.sparse
         return self._layer_dense
 
+    def do_kv_cache_update(
+        self, layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        if self.dca is not None:
+            delta = _dca_delta(layer)
+            if delta is not None:  # keys enter the cache at p mod s, once
+                key = self.dca.move(key, delta)
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+
     def forward(
         self,
         layer: Any,
@@ -199,12 +233,14 @@ class MobaAttentionImpl(CPUAttentionBackendImpl):
             or not isinstance(attn_metadata, MobaAttentionMetadata)
             or output_scale is not None
             or output_block_scale is not None
-            or self._dense(layer)
+            or (self.dca is None and self._dense(layer))
         ):
             return super().forward(
                 layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
             )
         meta = attn_metadata
+        if self.dca is not None:
+            return self._forward_dca(layer, query, key, value, kv_cache, meta, output)
         decode_full = self.moba.decode == "full"
         if decode_full and meta.max_query_len == 1:  # decode steps only: all of them dense
             return super().forward(layer, query, key, value, kv_cache, meta, output)
@@ -229,6 +265,39 @@ class MobaAttentionImpl(CPUAttentionBackendImpl):
             skip_decodes=decode_full,
         )
         return output
+
+    def _forward_dca(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: MobaAttentionMetadata,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        if meta.dca_delta is not None:  # the same move do_kv_cache_update gave the keys in the cache
+            query, key = self.dca.move(query, meta.dca_delta), self.dca.move(key, meta.dca_delta)
+        key_cache, value_cache = cache_views(kv_cache)
+        moba_paged(
+            query, key, value, key_cache, value_cache, output, query_start_loc=meta.query_start_list,
+            seq_lens=meta.seq_len_list, block_table=meta.block_table, config=self.moba, scale=self.scale,
+            dense=self._dense(layer), dca=self.dca,
+        )  # fmt: skip
+        return output
+
+
+def _dca_delta(layer: Any) -> torch.Tensor | None:
+    """This step's DCA moves for `layer`, from the metadata vLLM put in the forward context (vLLM's cache
+    write gets no metadata); None when there is none (warm-up runs) or nothing moves."""
+    if not is_forward_context_available():
+        return None
+    meta = get_forward_context().attn_metadata
+    if isinstance(meta, list):  # speculative decoding: [0] is the base model's
+        meta = meta[0] if meta else None
+    if isinstance(meta, dict):
+        meta = meta.get(layer.layer_name)
+    return meta.dca_delta if isinstance(meta, MobaAttentionMetadata) else None
 
 
 class MobaAttentionBackend(CPUAttentionBackend):

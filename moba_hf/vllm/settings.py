@@ -4,7 +4,9 @@ One schema, three places, the first found wins:
   1. ``--hf-overrides '{"moba_config": {...}}'`` (or a preset name / file path as the value),
   2. ``MOBA_HF_CONFIG=<preset name or .toml/.json/.yaml file>`` in the environment,
   3. ``moba_config`` in the checkpoint's config.json (what ``save_pretrained`` writes).
-None of them: the plugin stays out of the way and vLLM's own attention runs.
+None of them but Qwen's ``dual_chunk_attention_config`` in config.json (Qwen2.5-1M): dense DCA with its
+settings, ``MobaConfig(sparse=False)``. None at all: the plugin stays out of the way and vLLM's own attention
+runs.
 
 Every check runs when the engine builds its attention layers, before any request is accepted.
 """
@@ -16,7 +18,9 @@ import os
 from typing import Any
 
 from ..config import MobaConfig, read_config_file
-from ..integration.support import check_supported
+from ..integration import dca as dca_hf
+from ..integration.support import check_supported, rope_parameters
+from .paged import PagedDca
 
 logger = logging.getLogger("moba_hf")
 
@@ -26,6 +30,10 @@ ENV = "MOBA_HF_CONFIG"
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # KV cache dtypes whose pages the MoBA kernels read as they are ("auto" = the model's dtype)
 READABLE_CACHE_DTYPES = {"auto": None, "float16": "float16", "bfloat16": "bfloat16", "float32": "float32"}
+# DCA moves keys vLLM rotated with transformers' frequencies of the same rope type: the types where both
+# libraries compute the same frequencies (vLLM folds YaRN's factor into its cos / sin cache, its own way)
+DCA_ROPE_TYPES = ("default", "llama3")
+QWEN_DCA_SOURCE = "the checkpoint's dual_chunk_attention_config"
 
 
 class MobaSetupError(ValueError):
@@ -43,6 +51,8 @@ def _source(vllm_config: Any) -> tuple[Any, str] | None:
     raw = getattr(model_config.hf_config, "moba_config", None)
     if raw is not None:
         return raw, "the checkpoint's config.json moba_config"
+    if dca_hf.qwen_dca_block(model_config.hf_text_config) is not None:
+        return {"sparse": False}, QWEN_DCA_SOURCE  # dca=None reads the block, as the transformers path does
     return None
 
 
@@ -84,16 +94,6 @@ def check(vllm_config: Any, config: MobaConfig, serving: dict[str, Any], where: 
             f"moba_hf: sliding-window attention (window {window}) cannot be combined with MoBA; "
             "serve a checkpoint whose layers are all full attention"
         )
-    if config.dca not in (None, False):
-        raise MobaSetupError(
-            f"moba_hf: the vLLM plugin does not run Dual Chunk Attention (dca={config.dca} from {where}); "
-            "set dca = false or use the transformers path"
-        )
-    if getattr(hf_config, "dual_chunk_attention_config", None) and config.dca is None:
-        raise MobaSetupError(
-            "moba_hf: this checkpoint carries dual_chunk_attention_config, which the vLLM plugin does not run; "
-            "set dca = false in the MoBA config to serve it without DCA"
-        )
     cache_dtype = vllm_config.cache_config.cache_dtype
     model_dtype = str(model_config.dtype).removeprefix("torch.")
     readable = READABLE_CACHE_DTYPES.get(cache_dtype, "unreadable")
@@ -120,8 +120,54 @@ def check(vllm_config: Any, config: MobaConfig, serving: dict[str, Any], where: 
         raise MobaSetupError(f"moba_hf: bad MoBA config from {where}: {err}") from None
 
 
-def describe(config: MobaConfig, dense: frozenset[int], where: str) -> str:
-    return f"moba_hf: vLLM attention runs {config} from {where}; dense layers {sorted(dense) or 'none'}"
+def dca_setup(vllm_config: Any, config: MobaConfig, where: str) -> PagedDca | None:
+    """DCA's parameters against the model (as the transformers path resolves them), or None when off;
+    refuses what the paged DCA cannot serve exactly."""
+    model_config = vllm_config.model_config
+    hf_config = model_config.hf_text_config
+    if config.dca is False or (config.dca is None and dca_hf.qwen_dca_block(hf_config) is None):
+        return None
+    params = rope_parameters(hf_config)
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type not in DCA_ROPE_TYPES:
+        raise MobaSetupError(
+            f"moba_hf: DCA (from {where}) in vLLM supports the rope types {', '.join(DCA_ROPE_TYPES)}; this model's "
+            f"is {rope_type!r}. Serve it without DCA (dca = false) or use the transformers path"
+        )
+    try:
+        resolved = dca_hf.resolve(config.dca, hf_config, config.block_size if config.sparse else None)
+    except ValueError as err:
+        raise MobaSetupError(f"moba_hf: DCA (from {where}): {err}") from None
+    # vLLM rotates q and k at their absolute positions from a table of max_position_embeddings rows before
+    # the backend moves them; past that table the rotation has no data
+    table = getattr(hf_config, "max_position_embeddings", None)
+    if isinstance(table, int) and model_config.max_model_len > table:
+        raise MobaSetupError(
+            f"moba_hf: max_model_len={model_config.max_model_len} needs RoPE positions up to "
+            f"{model_config.max_model_len - 1}, but vLLM's RoPE table covers max_position_embeddings={table}; pass "
+            f"--hf-overrides '{{\"max_position_embeddings\": {model_config.max_model_len}}}' (DCA keeps every "
+            f"distance below pretraining_length={resolved.pretraining_length}: set it in the DCA config, since "
+            f"by default it follows max_position_embeddings) or lower --max-model-len to {table}"
+        )
+    overrides = model_config.hf_overrides if isinstance(model_config.hf_overrides, dict) else {}
+    if overrides.get("max_position_embeddings") == resolved.pretraining_length:
+        raise MobaSetupError(
+            f"moba_hf: DCA's pretraining_length (from {where}) follows max_position_embeddings, which "
+            f"--hf-overrides raises to {resolved.pretraining_length}; set pretraining_length (c, the longest "
+            "distance the model handles) in the DCA config"
+        )
+    return PagedDca(resolved, dca_hf.config_inv_freq(hf_config))
 
 
-__all__ = ["ARCHITECTURES", "ENV", "MobaSetupError", "check", "describe", "resolve"]
+def describe(config: MobaConfig, dense: frozenset[int], where: str, dca: PagedDca | None = None) -> str:
+    text = f"moba_hf: vLLM attention runs {config} from {where}; dense layers {sorted(dense) or 'none'}"
+    if dca is not None:
+        p = dca.params
+        text += (
+            f"; Dual Chunk Attention: pretraining_length c={p.pretraining_length}, chunk_size s={p.chunk_size}, "
+            f"temperature {'on' if p.temperature else 'off'}"
+        )
+    return text
+
+
+__all__ = ["ARCHITECTURES", "ENV", "MobaSetupError", "check", "dca_setup", "describe", "resolve"]
