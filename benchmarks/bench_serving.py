@@ -9,9 +9,9 @@ dca+moba (--moba with --dca). For each setting one engine (a subprocess: vLLM st
 prompt length, time to first token (a request with max_tokens=1: the prefill), prefill tokens/s, and decode
 tokens/s (a second request of 1 + N tokens; its extra time over the first is N decode steps). Before timing,
 each plugin setting's greedy tokens on the first min(shortest length, 2048) tokens (inside the model's trained
-window) are checked against the transformers path with the same MobaConfig. Rows go to a CSV with the machine, versions, settings and date on each
-(benchmarks/results_serving.csv by default). Lengths above the model's 8K context set
-VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 and raise max_position_embeddings to the longest request, so vLLM's RoPE
+window) are checked against the transformers path with the same MobaConfig. Rows go to a CSV with the machine,
+versions, settings and date on each (benchmarks/results_serving.csv by default). Lengths above the model's 8K
+context set VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 and raise max_position_embeddings to the longest request, so vLLM's RoPE
 table covers it (vLLM's own attention past the window: a cost baseline, not a quality one; DCA then needs
 pretraining_length in --dca).
 """

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -24,6 +25,9 @@ ENGINE_TIMEOUT_S = 600
 MAX_MODEL_LEN = 4096
 # environment of every engine: a bounded KV cache, no usage reporting, the engine core in its own process
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+# the transformers path's decode="moba" takes its sparse step from the first block on, as the plugin does (the
+# measured dense-below-crossover choice differs by machine); engines inherit it
+os.environ["MOBA_HF_DECODE_CROSSOVER"] = "0"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -71,17 +75,30 @@ def run_engine(job: dict, env: dict[str, str] | None = None, timeout: float = EN
     with tempfile.TemporaryDirectory() as tmp:
         job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "out.json"
         job_file.write_text(json.dumps(job))
-        full_env = {**os.environ, **ENGINE_ENV, **(env or {})}
-        proc = subprocess.run(
-            [sys.executable, str(HERE / "engine_job.py"), str(job_file), str(out_file)],
-            env=full_env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        if proc.returncode != 0 or not out_file.is_file():
-            pytest.fail(f"engine run failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}")
-        return {**json.loads(out_file.read_text()), "_log": proc.stdout + proc.stderr}
+        returncode, out, err = _run_job(job_file, out_file, env, timeout)
+        if returncode != 0 or not out_file.is_file():
+            pytest.fail(f"engine run failed (rc={returncode}):\n{err[-6000:]}")
+        return {**json.loads(out_file.read_text()), "_log": out + err}
+
+
+def _run_job(job_file: Path, out_file: Path, env: dict[str, str] | None, timeout: float) -> tuple[int, str, str]:
+    """engine_job.py in its own process group, so a timeout stops the engine's processes too (none is left
+    running on the machine)."""
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "engine_job.py"), str(job_file), str(out_file)],
+        env={**os.environ, **ENGINE_ENV, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"engine run timed out after {timeout} s:\n{err[-6000:]}")
+    return proc.returncode, out, err
 
 
 def start_engine_expecting_refusal(engine: dict, env: dict[str, str] | None = None, timeout: float = 300) -> str:
@@ -90,15 +107,9 @@ def start_engine_expecting_refusal(engine: dict, env: dict[str, str] | None = No
     with tempfile.TemporaryDirectory() as tmp:
         job_file = Path(tmp) / "job.json"
         job_file.write_text(json.dumps(job))
-        proc = subprocess.run(
-            [sys.executable, str(HERE / "engine_job.py"), str(job_file), str(Path(tmp) / "out.json")],
-            env={**os.environ, **ENGINE_ENV, **(env or {})},
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        assert proc.returncode != 0, "the engine started although it should have refused"
-        return proc.stdout + proc.stderr
+        returncode, out, err = _run_job(job_file, Path(tmp) / "out.json", env, timeout)
+        assert returncode != 0, "the engine started although it should have refused"
+        return out + err
 
 
 def hf_generate(moba: dict | None, prompts: list[list[int]], max_tokens: int, path: str | None = None) -> list[dict]:

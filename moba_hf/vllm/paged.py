@@ -123,7 +123,7 @@ def moba_paged(
         dense_here = dense or (is_decode(nq) and config.decode == "full")
         if dca is not None and length > dca.params.chunk_size:  # within one chunk DCA changes nothing
             p = dca.params
-            moba = {} if dense_here else dict(block_size=config.block_size, top_k=config.top_k, **gate)
+            moba = {} if dense_here else config.kernel_kwargs()
             out = dca_attention(
                 q, k, v, pretraining_length=p.pretraining_length, chunk_size=p.chunk_size, inv_freq=dca.inv_freq,
                 scale=scale, temperature=p.temperature_factor(length), **moba,
