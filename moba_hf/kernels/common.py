@@ -348,10 +348,10 @@ def masked_matmul(probs: torch.Tensor, allowed: torch.Tensor, v: torch.Tensor) -
     """probs @ v where row i reads only its `allowed` keys: probs, allowed [..., M, N] (allowed broadcastable),
     v [..., N, D] with the same leading dims as probs. Exact for NaN / inf values: each row sums only the values
     it attends, so a non-finite value reaches no other row."""
+    if all_finite(v):  # one reduction answers the usual case
+        return probs @ v
     bad = ~v.isfinite()
     out = probs @ v.masked_fill(bad, 0)
-    if not bool(bad.any()):
-        return out
     m, n, d = probs.shape[-2], probs.shape[-1], v.shape[-1]
     lead = probs.shape[:-2]
     probs3, allowed3 = probs.reshape(-1, m, n), allowed.expand(*lead, m, n).reshape(-1, m, n)

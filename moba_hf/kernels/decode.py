@@ -154,7 +154,7 @@ def _decode(q, k, v, block_keys, block_size, top_k, scale, gate, starts, return_
     union = by_head.any(dim=2)  # [B, Hkv, nb]
     n_union = int(union.sum(-1).max())
     in_union, blk = union.to(torch.int8).topk(n_union, dim=-1)  # [B, Hkv, U]; pad entries have in_union 0
-    # each block is read as one window of W contiguous cache keys (a strided view, no copy of the cache);
+    # each block is read as one window of W contiguous cache keys (only those rows are copied);
     # a partial last block's window is shifted left to end at Nk and the keys outside the block are masked
     width = min(block_size, nk)
     block_start = blk * block_size + starts[:, None, None]  # cache position of each block's first key
@@ -162,8 +162,9 @@ def _decode(q, k, v, block_keys, block_size, top_k, scale, gate, starts, return_
     window = (torch.arange(b, device=dev)[:, None, None] * hkv + torch.arange(hkv, device=dev)[:, None]) * nk
     window = (window + win_start).flatten()  # window ids in the flattened [B * Hkv * Nk] key rows
     dtype = gate_dtype(q.dtype)
-    k_sel = _windows(k, width).index_select(0, window).view(b, hkv, -1, d).to(dtype)  # [B, Hkv, U*W, D]
-    v_sel = _windows(v, width).index_select(0, window).view(b, hkv, -1, d).to(dtype)
+    rows = (window[:, None] + torch.arange(width, device=dev)).flatten()  # key rows of the flat [B*Hkv*Nk, D]
+    k_sel = k.contiguous().view(-1, d).index_select(0, rows).view(b, hkv, -1, d).to(dtype)  # [B, Hkv, U*W, D]
+    v_sel = v.contiguous().view(-1, d).index_select(0, rows).view(b, hkv, -1, d).to(dtype)
 
     key_pos = (win_start[..., None] + torch.arange(width, device=dev)).flatten(-2)[:, :, None]  # [B, Hkv, 1, U*W]
     q_pos = (nk - nq + torch.arange(nq, device=dev)).repeat(g)[None, None, :, None]  # [1, 1, g*Nq, 1]
@@ -176,14 +177,6 @@ def _decode(q, k, v, block_keys, block_size, top_k, scale, gate, starts, return_
     probs = scores.masked_fill(~valid, float("-inf")).softmax(dim=-1)
     out = masked_matmul(probs, valid, v_sel).view(b, hq, nq, d).to(q.dtype)  # NaN values reach only their rows
     return (out, selected) if return_selection else out
-
-
-def _windows(x: torch.Tensor, width: int) -> torch.Tensor:
-    """[B, H, N, D] -> overlapping view [B*H*N - width + 1, width, D]: window (b*H + h)*N + p is x[b, h, p : p + width]
-    (windows that cross from one head into the next exist but are never selected). Copies only a non-contiguous x."""
-    x = x.contiguous()
-    d = x.shape[-1]
-    return x.as_strided((x.numel() // d - width + 1, width, d), (d, d, 1), x.storage_offset())
 
 
 def block_keys_from_cache(
