@@ -280,6 +280,18 @@ def test_refuses_unsupported_architecture(monkeypatch, tmp_path):
         backend._setup(vllm_config(path))
 
 
+def test_refuses_max_model_len_past_the_rope_table(monkeypatch, tmp_path):
+    monkeypatch.delenv(settings.ENV, raising=False)
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # vLLM's own length check comes first otherwise
+    path = model_dir(tmp_path, max_position_embeddings=2048)
+    message = "max_model_len=4096 needs RoPE positions up to 4095, but vLLM's RoPE table covers max_position_embeddings"
+    with pytest.raises(settings.MobaSetupError, match=re.escape(message)):
+        backend._setup(vllm_config(path, hf_overrides={"moba_config": {"block_size": 128}}))
+    # raising the table through --hf-overrides is accepted
+    raised = {"moba_config": {"block_size": 128}, "max_position_embeddings": 4096}
+    assert backend._setup(vllm_config(path, hf_overrides=raised)) is not None
+
+
 def test_refuses_sliding_window(monkeypatch, tmp_path):
     monkeypatch.setenv(settings.ENV, "training-free")
     path = model_dir(

@@ -114,6 +114,17 @@ def check(vllm_config: Any, config: MobaConfig, serving: dict[str, Any], where: 
             f"moba_hf: {where} allows max_context_tokens={limit} but vLLM runs max_model_len="
             f"{model_config.max_model_len}; pass --max-model-len {limit}"
         )
+    # vLLM rotates q and k from a table of max_position_embeddings rows and reads past it for later positions
+    # (garbage, NaN included, which the kernels' exact NaN route then follows); DCA has its own check, with advice
+    table = getattr(hf_config, "max_position_embeddings", None)
+    dca_on = config.dca is not False and (config.dca is not None or dca_hf.qwen_dca_block(hf_config) is not None)
+    if not dca_on and isinstance(table, int) and model_config.max_model_len > table:
+        raise MobaSetupError(
+            f"moba_hf: max_model_len={model_config.max_model_len} needs RoPE positions up to "
+            f"{model_config.max_model_len - 1}, but vLLM's RoPE table covers max_position_embeddings={table}; "
+            f"lower --max-model-len to {table}, or pass --hf-overrides "
+            f"'{{\"max_position_embeddings\": {model_config.max_model_len}}}' to run past the trained window"
+        )
     try:
         return config.full_layer_set(hf_config.num_hidden_layers)
     except ValueError as err:
