@@ -225,14 +225,19 @@ def rope_parameters(model_config: Any) -> dict[str, Any]:
     return dict(params) if isinstance(params, Mapping) else {}
 
 
+def rope_type(model_config: Any) -> str:
+    """The config's RoPE scaling type ("default" when it has none)."""
+    params = rope_parameters(model_config)
+    return params.get("rope_type", params.get("type", "default")) or "default"
+
+
 def check_rope_type(model_config: Any) -> None:
     """Refuse RoPE scalings whose frequencies change with the sequence length (DCA needs fixed ones)."""
-    params = rope_parameters(model_config)
-    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type not in FIXED_ROPE_TYPES:
+    kind = rope_type(model_config)
+    if kind not in FIXED_ROPE_TYPES:
         raise ValueError(
             f"DCA needs RoPE frequencies that do not depend on the sequence length; this model's rope_scaling type "
-            f"is {rope_type!r} (supported: {', '.join(FIXED_ROPE_TYPES)}). Remove the {rope_type!r} scaling from "
+            f"is {kind!r} (supported: {', '.join(FIXED_ROPE_TYPES)}). Remove the {kind!r} scaling from "
             "the model config to use DCA."
         )
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..config import MobaConfig, read_config_file
 from ..integration import dca as dca_hf
-from ..integration.support import check_supported, rope_parameters
+from ..integration.support import check_supported, rope_type
 from .paged import PagedDca
 
 logger = logging.getLogger("moba_hf")
@@ -74,6 +74,11 @@ def resolve(vllm_config: Any) -> tuple[MobaConfig, dict[str, Any], str] | None:
     return config, serving, where
 
 
+def _dca_on(config: MobaConfig, hf_config: Any) -> bool:
+    """DCA from the MoBA config, or (none there) from the checkpoint's dual_chunk_attention_config."""
+    return config.dca is not False and (config.dca is not None or dca_hf.qwen_dca_block(hf_config) is not None)
+
+
 def check(vllm_config: Any, config: MobaConfig, serving: dict[str, Any], where: str) -> frozenset[int]:
     """Refuse what the plugin cannot serve exactly; return the dense (full-attention) layer indices."""
     model_config = vllm_config.model_config
@@ -117,8 +122,7 @@ def check(vllm_config: Any, config: MobaConfig, serving: dict[str, Any], where: 
     # vLLM rotates q and k from a table of max_position_embeddings rows and reads past it for later positions
     # (garbage, NaN included, which the kernels' exact NaN route then follows); DCA has its own check, with advice
     table = getattr(hf_config, "max_position_embeddings", None)
-    dca_on = config.dca is not False and (config.dca is not None or dca_hf.qwen_dca_block(hf_config) is not None)
-    if not dca_on and isinstance(table, int) and model_config.max_model_len > table:
+    if not _dca_on(config, hf_config) and isinstance(table, int) and model_config.max_model_len > table:
         raise MobaSetupError(
             f"moba_hf: max_model_len={model_config.max_model_len} needs RoPE positions up to "
             f"{model_config.max_model_len - 1}, but vLLM's RoPE table covers max_position_embeddings={table}; "
@@ -136,14 +140,13 @@ def dca_setup(vllm_config: Any, config: MobaConfig, where: str) -> PagedDca | No
     refuses what the paged DCA cannot serve exactly."""
     model_config = vllm_config.model_config
     hf_config = model_config.hf_text_config
-    if config.dca is False or (config.dca is None and dca_hf.qwen_dca_block(hf_config) is None):
+    if not _dca_on(config, hf_config):
         return None
-    params = rope_parameters(hf_config)
-    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type not in DCA_ROPE_TYPES:
+    rope = rope_type(hf_config)
+    if rope not in DCA_ROPE_TYPES:
         raise MobaSetupError(
             f"moba_hf: DCA (from {where}) in vLLM supports the rope types {', '.join(DCA_ROPE_TYPES)}; this model's "
-            f"is {rope_type!r}. Serve it without DCA (dca = false) or use the transformers path"
+            f"is {rope!r}. Serve it without DCA (dca = false) or use the transformers path"
         )
     try:
         resolved = dca_hf.resolve(config.dca, hf_config, config.block_size if config.sparse else None)
