@@ -218,6 +218,24 @@ def test_crossover_is_measured_once_per_setting(monkeypatch):
     assert decode_kernels.decode_crossover(q, k, block_size=4096, top_k=3, gate=gate) == 2 * 10
 
 
+def test_only_decode_steps_measure_the_crossover(monkeypatch):
+    from moba_hf.kernels import decode as decode_kernels
+
+    monkeypatch.delenv("MOBA_HF_DECODE_CROSSOVER")
+    monkeypatch.setattr(decode_kernels, "_crossovers", {})
+    measured = []
+    monkeypatch.setattr(decode_kernels, "_measure_crossover", lambda *a: measured.append(1) or 1)
+    model = tiny_model("llama", MobaConfig(block_size=4, top_k=2, decode="moba"))
+    ids = torch.randint(0, 97, (1, 30))
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :20], **{CACHE: cache}, use_cache=True)  # a cached prefill
+        model(ids[:, 20:29], **{CACHE: cache}, use_cache=True)  # a chunk past DECODE_MAX_QUERIES
+        assert measured == []
+        model(ids[:, 29:], **{CACHE: cache}, use_cache=True)  # a decode step: measured once for all layers
+    assert measured == [1]
+
+
 @pytest.mark.parametrize("value", ["-1", "two", "1.5"])
 def test_a_bad_crossover_override_is_refused(value, monkeypatch):
     from moba_hf.kernels.decode import decode_crossover

@@ -302,7 +302,9 @@ def cached_step(
     check_cache_supported(cache, layer)
     nq, nk = query.shape[2], key.shape[2]
     decode = config.decode == "moba" and nq < nk and nq <= DECODE_MAX_QUERIES and layer is not None
-    crossover = decode_crossover(query, key, block_size=config.block_size, top_k=config.top_k, gate=config.gate)
+    crossover = 0  # measured only for decode steps: prefill and dense calls never pay for it
+    if decode:
+        crossover = decode_crossover(query, key, block_size=config.block_size, top_k=config.top_k, gate=config.gate)
     if decode and -(-nk // config.block_size) < crossover:
         # a dense step for sure (no row holds more than nk tokens): no block state is built for it; one built
         # earlier stays in step, and the first sparse step builds one from the cache
