@@ -7,7 +7,8 @@
 Settings: vllm (vLLM's own attention, plugin off), moba (--moba), dca (dense DCA: sparse = false with --dca),
 dca+moba (--moba with --dca). For each setting one engine (a subprocess: vLLM starts processes) times, per
 prompt length, time to first token (a request with max_tokens=1: the prefill), prefill tokens/s, and decode
-tokens/s (a second request of 1 + N tokens; its extra time over the first is N decode steps). Before timing,
+tokens/s (the same prompt twice more, served from the prefix cache: 1 token, then 1 + N tokens; the
+difference is N decode steps, best and median of the repeats). Before timing,
 each plugin setting's greedy tokens on the first min(shortest length, 2048) tokens (inside the model's trained
 window) are checked against the transformers path with the same MobaConfig. Rows go to a CSV with the machine,
 versions, settings and date on each (benchmarks/results_serving.csv by default). Lengths above the model's 8K
@@ -46,22 +47,24 @@ def engine_main(job_file: str, out_file: str) -> None:
     out: dict = {"verify": list(verified)}
     rows = []
     for ids in job["prompts"]:
-        first, full = [], []
+        first, steps = [], []
         for r in range(job["repeats"]):
             # a different first token per repeat keeps the prefix cache from serving the prompt
             variant = TokensPrompt(prompt_token_ids=[ids[0] + r + 1, *ids[1:]])
             t = time.perf_counter()
             llm.generate([variant], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
             first.append(time.perf_counter() - t)
-            variant = TokensPrompt(prompt_token_ids=[ids[0] + r + 101, *ids[1:]])
-            t = time.perf_counter()
-            done = llm.generate(
-                [variant], SamplingParams(max_tokens=1 + job["decode_tokens"], temperature=0.0, ignore_eos=True),
-                use_tqdm=False,
-            )  # fmt: skip
-            full.append(time.perf_counter() - t)
-            assert len(done[0].outputs[0].token_ids) == 1 + job["decode_tokens"]
-        rows.append({"tokens": len(ids), "ttft": first, "full": full})
+            # the same prompt again, now from the prefix cache: 1 token, then 1 + N; the difference is N decode steps
+            ends = []
+            for new_tokens in (1, 1 + job["decode_tokens"]):
+                t = time.perf_counter()
+                done = llm.generate(
+                    [variant], SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True), use_tqdm=False
+                )
+                ends.append(time.perf_counter() - t)
+                assert len(done[0].outputs[0].token_ids) == new_tokens
+            steps.append((ends[1] - ends[0]) / job["decode_tokens"])
+        rows.append({"tokens": len(ids), "ttft": first, "step": steps})
     out["rows"] = rows
     Path(out_file).write_text(json.dumps(out))
 
@@ -118,7 +121,7 @@ def main() -> int:
     max_len = max(args.lengths) + args.decode_tokens + 8
     engine = dict(
         model=path, dtype=args.dtype, max_model_len=max_len, enforce_eager=True, seed=0,
-        max_num_batched_tokens=max_len, enable_prefix_caching=False,
+        max_num_batched_tokens=max_len, enable_prefix_caching=True,
     )  # fmt: skip
     env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = "3600"  # a one-shot long prefill on few cores: over 300 s
@@ -155,30 +158,35 @@ def main() -> int:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     machine = f"{platform.processor() or platform.machine()} x{os.cpu_count()}"
     out_rows = []
-    header = ("tokens", "attention", "TTFT s", "prefill tok/s", "decode tok/s", "TTFT vs vLLM")
-    print(" ".join(f"{h:>{w}}" for h, w in zip(header, (7, 9, 8, 14, 13, 13), strict=True)))
+    header = ("tokens", "attention", "TTFT s", "prefill tok/s", "decode tok/s", "TTFT vs vLLM", "decode vs vLLM")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(header, (7, 9, 8, 14, 13, 13, 15), strict=True)))
     for i, n in enumerate(args.lengths):
-        base_ttft = min(results["vllm"]["rows"][i]["ttft"]) if "vllm" in results else float("nan")
+        base = results["vllm"]["rows"][i] if "vllm" in results else None
+        base_ttft = min(base["ttft"]) if base else float("nan")
+        base_step = statistics.median(base["step"]) if base else float("nan")
         for name in args.settings:
             row = results[name]["rows"][i]
-            ttft = min(row["ttft"])
-            extra = min(row["full"]) - ttft  # under load this can come out <= 0: then no decode figure
-            decode = args.decode_tokens / extra if extra > 0 else float("nan")
-            ratio = base_ttft / ttft
-            print(f"{n:>7} {name:>9} {ttft:8.2f} {n / ttft:14.0f} {decode:13.1f} {ratio:12.2f}x")
+            ttft, step = min(row["ttft"]), statistics.median(row["step"])
+            decode = 1 / step if step > 0 else float("nan")
+            ratio, decode_ratio = base_ttft / ttft, base_step / step if step > 0 else float("nan")
+            print(f"{n:>7} {name:>9} {ttft:8.2f} {n / ttft:14.0f} {decode:13.1f} {ratio:12.2f}x {decode_ratio:14.2f}x")
             out_rows.append(dict(
                 date=stamp, machine=machine, torch=torch.__version__, vllm=vllm.__version__, dtype=args.dtype,
                 attention=name, moba=str(configs[name]) if name in configs else "", tokens=n, repeats=args.repeats,
                 ttft_s_min=round(ttft, 4), ttft_s_median=round(statistics.median(row["ttft"]), 4),
                 prefill_tok_s=round(n / ttft, 1), decode_tok_s=round(decode, 2), ttft_speedup=round(ratio, 3),
+                decode_step_s_min=round(min(row["step"]), 5), decode_step_s_median=round(step, 5),
+                decode_speedup=round(decode_ratio, 3),
             ))  # fmt: skip
     out = Path(args.csv)
     out.parent.mkdir(parents=True, exist_ok=True)
-    new = not out.is_file()
-    with out.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(out_rows[0]))
-        if new:
+    earlier = list(csv.DictReader(out.open(newline=""))) if out.is_file() else []
+    fields = list(dict.fromkeys([*(earlier[0] if earlier else {}), *out_rows[0]]))  # columns added later: blank
+    with out.open("w" if earlier and list(earlier[0]) != fields else "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        if not earlier or list(earlier[0]) != fields:
             writer.writeheader()
+            writer.writerows(earlier)
         writer.writerows(out_rows)
     print(f"rows appended to {out}")
     return 0

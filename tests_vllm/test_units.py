@@ -12,10 +12,11 @@ from vllm import _custom_ops as ops
 
 from moba_hf import MobaConfig, causal_attention, moba_attention
 from moba_hf.dca.config import DcaParams
+from moba_hf.kernels.common import pooled_keys
 from moba_hf.kernels.dca import dca_attention
 from moba_hf.kernels.rope import default_inv_freq, rotate
 from moba_hf.vllm import backend, settings
-from moba_hf.vllm.paged import PagedDca, moba_paged
+from moba_hf.vllm.paged import PagedDca, PagedGateKeys, dense_decodes, moba_paged
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE, HQ, HKV, D = 32, 6, 2, 64
@@ -89,11 +90,114 @@ def test_skip_decodes_leaves_decode_rows_to_the_caller():
     moba_paged(
         query, key, value, key_cache, value_cache, output, query_start_loc=starts, seq_lens=SEQ_LENS,
         block_table=table, config=MobaConfig(block_size=64, top_k=2, decode="full"), scale=D**-0.5,
-        skip_decodes=True,
+        skip=dense_decodes(QUERY_LENS, SEQ_LENS, MobaConfig(decode="full"), 0),
     )  # fmt: skip
     for i, nq in enumerate(QUERY_LENS):
         rows = output[starts[i] : starts[i + 1]]
         assert bool(rows.isnan().all()) == (nq == 1)
+
+
+def test_dense_decodes_follow_the_mode_and_the_crossover():
+    query_lens, seq_lens = [1, 1, 5, 1], [100, 700, 700, 1500]
+    assert dense_decodes(query_lens, seq_lens, MobaConfig(block_size=256, decode="full"), 0) == [0, 1, 3]
+    moba = MobaConfig(block_size=256, decode="moba")
+    assert dense_decodes(query_lens, seq_lens, moba, 0) == []
+    assert dense_decodes(query_lens, seq_lens, moba, 3) == [0]  # 1, 3 and 6 blocks
+    assert dense_decodes(query_lens, seq_lens, moba, 7) == [0, 1, 3]
+
+
+def write_in_steps(kv_cache, pages, keys, values, steps, gate_keys):
+    """Write a sequence's tokens through vLLM's cache op in consecutive pieces of the given sizes (a prompt, its
+    chunks, decode steps), updating the pooled keys after each write as the backend does."""
+    k_view, v_view = kv_cache.view(kv_cache.shape[0], HKV, PAGE * 2, D).chunk(2, dim=2)
+    slots = pages.repeat_interleave(PAGE)[: keys.shape[0]] * PAGE + torch.arange(keys.shape[0]) % PAGE
+    done = 0
+    for n in steps:
+        part = slice(done, done + n)
+        ops.cpu_attn_reshape_and_cache(keys[part], values[part], k_view, v_view, slots[part], "vec")
+        gate_keys.update(backend.cache_views(kv_cache)[0], torch.unique(slots[part] // PAGE))
+        done += n
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        MobaConfig(block_size=64, top_k=2),  # two pages a block
+        MobaConfig(block_size=48, top_k=3, pooling="bound", sink_blocks=1, local_blocks=1),  # units of 16
+        MobaConfig(block_size=20, top_k=2, pooling="mean+max"),  # units of 4, blocks across pages
+        MobaConfig(block_size=16, top_k=1, pooling="max"),  # two blocks a page, own block only
+        MobaConfig(block_size=32, top_k=50),  # every block
+    ],
+    ids=["blk64-k2", "blk48-k3-bound-sink1-local1", "blk20-k2-meanmax", "blk16-k1-max", "blk32-all"],
+)
+@pytest.mark.parametrize("length", [1, 33, 64, 65, 130, 257])
+def test_sparse_decode_over_pooled_keys_equals_moba_attention(config, length):
+    gen = torch.Generator().manual_seed(length)
+    n_pages = -(-length // PAGE)
+    kv_cache = torch.randn(n_pages + 4, HKV, PAGE, 2 * D, generator=gen)  # pages hold an earlier sequence's data
+    pages = torch.randperm(n_pages + 4, generator=gen)[:n_pages]
+    keys, values = torch.randn(length, HKV, D, generator=gen), torch.randn(length, HKV, D, generator=gen)
+    gate_keys = PagedGateKeys(backend.cache_views(kv_cache)[0], config.block_size, config.pooling)
+    gate_keys.stats.normal_(generator=gen)  # summaries of the earlier data, stale until the pages are rewritten
+    prompt = max(length - 5, 1)
+    write_in_steps(kv_cache, pages, keys, values, [prompt] + [1] * (length - prompt), gate_keys)
+    query = torch.randn(1, HQ, D, generator=gen)
+    output = torch.full_like(query, float("nan"))
+    key_cache, value_cache = backend.cache_views(kv_cache)
+    moba_paged(
+        query, keys[-1:], values[-1:], key_cache, value_cache, output, query_start_loc=[0, 1], seq_lens=[length],
+        block_table=pages[None].int(), config=config, scale=D**-0.5, gate_keys=gate_keys,
+    )  # fmt: skip
+    want = moba_attention(
+        query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+        scale=D**-0.5, **config.kernel_kwargs(),
+    )  # fmt: skip
+    torch.testing.assert_close(output.transpose(0, 1)[None], want, rtol=1e-5, atol=1e-5)
+
+
+def test_pooled_keys_beside_the_pages_equal_pooled_keys():
+    for pooling in ("mean", "max", "mean+max", "bound"):
+        for block in (16, 20, 48, 64, 96):
+            gen = torch.Generator().manual_seed(block)
+            length = 5 * block + 7
+            n_pages = -(-length // PAGE)
+            kv_cache = torch.randn(n_pages + 2, HKV, PAGE, 2 * D, generator=gen)
+            pages = torch.randperm(n_pages + 2, generator=gen)[:n_pages]
+            keys, values = torch.randn(length, HKV, D, generator=gen), torch.randn(length, HKV, D, generator=gen)
+            gate_keys = PagedGateKeys(backend.cache_views(kv_cache)[0], block, pooling)
+            write_in_steps(kv_cache, pages, keys, values, [block + 3, 2 * block - 1] + [1] * (2 * block + 5), gate_keys)
+            got = gate_keys.block_keys(pages, length)
+            want = pooled_keys(keys.transpose(0, 1)[None], block, pooling)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got[:, :, :-1], want[:, :, :-1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_sparse_decode_propagates_nan_and_inf_as_moba_attention(bad):
+    config = MobaConfig(block_size=32, top_k=2)
+    gen = torch.Generator().manual_seed(3)
+    length = 150
+    kv_cache = torch.zeros(5, HKV, PAGE, 2 * D)
+    pages = torch.arange(5)
+    keys, values = torch.randn(length, HKV, D, generator=gen), torch.randn(length, HKV, D, generator=gen)
+    keys[40, 1, 3] = float(bad)  # a key in block 1 of KV head 1
+    values[70, 0, 5] = float(bad)  # a value in block 2 of KV head 0
+    gate_keys = PagedGateKeys(backend.cache_views(kv_cache)[0], config.block_size, config.pooling)
+    write_in_steps(kv_cache, pages, keys, values, [length], gate_keys)
+    query = torch.randn(1, HQ, D, generator=gen)
+    output = torch.empty_like(query)
+    key_cache, value_cache = backend.cache_views(kv_cache)
+    moba_paged(
+        query, keys[-1:], values[-1:], key_cache, value_cache, output, query_start_loc=[0, 1], seq_lens=[length],
+        block_table=pages[None].int(), config=config, scale=D**-0.5, gate_keys=gate_keys,
+    )  # fmt: skip
+    want = moba_attention(
+        query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+        scale=D**-0.5, **config.kernel_kwargs(),
+    )  # fmt: skip
+    got = output.transpose(0, 1)[None]
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
 # DCA with c = 64, s = 48 (MoBA blocks of 16 tile a chunk): a prompt over four chunks, a decode step, a chunk of

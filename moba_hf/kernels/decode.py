@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from typing import Protocol
 
 import torch
 
@@ -128,13 +129,64 @@ def moba_decode(
     check_decode_args(q, k, v, block_keys, block_size=block_size, top_k=top_k, gate=gate, starts=starts, scale=scale)
     # a decode step is dozens of small ops: one thread runs them faster than several (see `workers`)
     return run_single_threaded(
-        lambda: _decode(q, k, v, block_keys, block_size, top_k, scale, gate, starts, return_selection), q.device
+        lambda: _decode(q, DenseCache(k, v), block_keys, block_size, top_k, scale, gate, starts, return_selection),
+        q.device,
     )
 
 
-def _decode(q, k, v, block_keys, block_size, top_k, scale, gate, starts, return_selection):
+class CacheWindows(Protocol):
+    """A KV cache that sparse decode reads a few windows of: `shape` is (B, Hkv, Nk, D)."""
+
+    shape: tuple[int, int, int, int]
+
+    def windows(self, start: torch.Tensor, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of cache positions start .. start + width - 1 for every start [B, Hkv, U], in `dtype`:
+        each [B, Hkv, U * width, D]."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseCache:
+    """k, v: [B, Hkv, Nk, D] tensors; a window is one 2-D row gather of the flattened keys (no other copy)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return tuple(self.k.shape)
+
+    def windows(self, start: torch.Tensor, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        b, hkv, nk, d = self.k.shape
+        dev = self.k.device
+        first = (torch.arange(b, device=dev)[:, None, None] * hkv + torch.arange(hkv, device=dev)[:, None]) * nk
+        rows = ((first + start).flatten()[:, None] + torch.arange(width, device=dev)).flatten()
+        return tuple(
+            t.contiguous().view(-1, d).index_select(0, rows).view(b, hkv, -1, d).to(dtype) for t in (self.k, self.v)
+        )
+
+
+def moba_decode_cache(
+    q: torch.Tensor,
+    cache: CacheWindows,
+    block_keys: torch.Tensor,
+    *,
+    block_size: int,
+    top_k: int,
+    gate: GateOptions,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """`moba_decode` over any cache that reads windows of positions (e.g. a paged one), every row starting at
+    cache position 0. q: [B, Hq, Nq, D], the last Nq positions; block_keys as in `moba_decode`; checked by the
+    caller (shapes of a paged cache are the caller's to get right)."""
+    return run_single_threaded(
+        lambda: _decode(q, cache, block_keys, block_size, top_k, scale, gate, None, False), q.device
+    )
+
+
+def _decode(q, cache, block_keys, block_size, top_k, scale, gate, starts, return_selection):
     b, hq, nq, d = q.shape
-    hkv, nk = k.shape[1], k.shape[2]
+    hkv, nk = cache.shape[1], cache.shape[2]
     scale = d**-0.5 if scale is None else scale
     dev = q.device
     if starts is None:
@@ -159,12 +211,8 @@ def _decode(q, k, v, block_keys, block_size, top_k, scale, gate, starts, return_
     width = min(block_size, nk)
     block_start = blk * block_size + starts[:, None, None]  # cache position of each block's first key
     win_start = block_start.clamp(max=nk - width)
-    window = (torch.arange(b, device=dev)[:, None, None] * hkv + torch.arange(hkv, device=dev)[:, None]) * nk
-    window = (window + win_start).flatten()  # window ids in the flattened [B * Hkv * Nk] key rows
     dtype = gate_dtype(q.dtype)
-    rows = (window[:, None] + torch.arange(width, device=dev)).flatten()  # key rows of the flat [B*Hkv*Nk, D]
-    k_sel = k.contiguous().view(-1, d).index_select(0, rows).view(b, hkv, -1, d).to(dtype)  # [B, Hkv, U*W, D]
-    v_sel = v.contiguous().view(-1, d).index_select(0, rows).view(b, hkv, -1, d).to(dtype)
+    k_sel, v_sel = cache.windows(win_start, width, dtype)  # [B, Hkv, U*W, D]
 
     key_pos = (win_start[..., None] + torch.arange(width, device=dev)).flatten(-2)[:, :, None]  # [B, Hkv, 1, U*W]
     q_pos = (nk - nq + torch.arange(nq, device=dev)).repeat(g)[None, None, :, None]  # [1, 1, g*Nq, 1]

@@ -6,7 +6,10 @@ dense computation are vLLM's own; what changes is the attention of the tokens Mo
     layer dense (full_attn_layers / ids) or sparse = false  ->  vLLM's CPU kernel, the whole batch
     prefill tokens (a prompt, a chunk, a prompt after a cached prefix)  ->  moba_attention per sequence
     decode tokens (one new token): decode = "full"  ->  vLLM's CPU kernel on the decode rows only
-                                   decode = "moba"  ->  moba_attention with Nq = 1 per sequence
+                                   decode = "moba"  ->  the gate over pooled keys kept beside the pages
+                                                       (`paged.PagedGateKeys`), then only the selected
+                                                       blocks; below the measured decode crossover
+                                                       (`kernels.decode.decode_crossover`) vLLM's kernel
 
 With Dual Chunk Attention every layer and token runs per sequence (`paged.moba_paged` with `PagedDca`):
 `do_kv_cache_update` moves the new keys to ``p mod s`` before vLLM's cache write, and `forward` moves the
@@ -35,7 +38,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from ..config import MobaConfig
 from . import settings
-from .paged import PagedDca, is_decode, moba_paged
+from .paged import PagedDca, PagedGateKeys, dense_decodes, moba_paged
 
 logger = logging.getLogger("moba_hf")
 _described: set[str] = set()
@@ -46,7 +49,10 @@ class MobaAttentionMetadata(CPUAttentionMetadata):
     # host copies, read once per step by every layer
     query_start_list: list[int] = dataclasses.field(default_factory=list)
     seq_len_list: list[int] = dataclasses.field(default_factory=list)
-    # decode = "full" in a batch that mixes decodes and prefills: the decode rows alone, for vLLM's kernel
+    # decode steps that run dense on vLLM's kernel (decode = "full", or below the decode crossover)
+    dense_decodes: frozenset[int] = frozenset()  # their sequence indices
+    all_dense_decodes: bool = False  # the whole batch is such steps: vLLM's kernel runs it as it is
+    # in a batch that mixes them with other tokens: those rows alone, for vLLM's kernel
     decode_rows: torch.Tensor | None = None  # token indices of the one-token queries
     decode_metadata: CPUAttentionMetadata | None = None
     # DCA: (tokens,) how far each new token's q / k move (to p mod s); None when none moves
@@ -111,8 +117,11 @@ class MobaAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         setup = _setup(vllm_config)
         self.moba = setup.config if setup is not None else None
         self.dca = setup.dca if setup is not None else None
+        self.sparse_decode_from = 0  # blocks in a sequence from which a decode = "moba" step runs sparse
         if self.moba is not None:
             check_cache_layout(self.isa, self.dtype, self.block_size, self.head_dim)
+            if self.moba.decode == "moba" and self.moba.sparse and self.dca is None:
+                self.sparse_decode_from = _decode_crossover(vllm_config, self.moba, self.dtype, self.head_dim)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -130,8 +139,10 @@ class MobaAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             delta = self.dca.deltas(starts, lens)
             meta.dca_delta = delta if bool(delta.any()) else None
             return meta
-        decodes = [i for i, n in enumerate(query_lens) if is_decode(n)]
-        if self.moba.decode == "full" and decodes and len(decodes) < common.num_reqs:
+        decodes = dense_decodes(query_lens, lens, self.moba, self.sparse_decode_from)
+        meta.dense_decodes = frozenset(decodes)
+        meta.all_dense_decodes = len(decodes) == common.num_reqs
+        if decodes and len(decodes) < common.num_reqs:
             idx = torch.tensor(decodes, dtype=torch.long)
             rows = torch.tensor([starts[i] for i in decodes], dtype=torch.long)
             qsl = torch.arange(len(decodes) + 1, dtype=common.query_start_loc.dtype)
@@ -200,6 +211,18 @@ class MobaAttentionImpl(CPUAttentionBackendImpl):
                     f"CPU kernels); this platform is {current_platform.device_name}"
                 )
         self._layer_dense: bool | None = None
+        self._gate_keys: tuple[int, PagedGateKeys] | None = None  # (the cache's data_ptr, its pooled keys)
+
+    def _sparse_decode(self, layer: Any) -> bool:
+        # decode = "moba" on a MoBA layer: the pooled keys beside the cache are kept in step with it
+        return self.moba is not None and self.moba.decode == "moba" and self.dca is None and not self._dense(layer)
+
+    def _gate_keys_for(self, kv_cache: torch.Tensor) -> PagedGateKeys:
+        if self._gate_keys is None or self._gate_keys[0] != kv_cache.data_ptr():
+            # first write, or a cache vLLM allocated anew (after its profiling run): nothing in it yet
+            pooled = PagedGateKeys(cache_views(kv_cache)[0], self.moba.block_size, self.moba.pooling)
+            self._gate_keys = (kv_cache.data_ptr(), pooled)
+        return self._gate_keys[1]
 
     def _dense(self, layer: Any) -> bool:
         if self._layer_dense is None:
@@ -215,6 +238,11 @@ class MobaAttentionImpl(CPUAttentionBackendImpl):
             if delta is not None:  # keys enter the cache at p mod s, once
                 key = self.dca.move(key, delta)
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        if self._sparse_decode(layer):
+            slots = slot_mapping[: key.shape[0]].long()
+            pages = torch.unique(slots[slots >= 0] // kv_cache.shape[2])
+            if pages.numel():
+                self._gate_keys_for(kv_cache).update(cache_views(kv_cache)[0], pages)
 
     def forward(
         self,
@@ -241,10 +269,9 @@ class MobaAttentionImpl(CPUAttentionBackendImpl):
         meta = attn_metadata
         if self.dca is not None:
             return self._forward_dca(layer, query, key, value, kv_cache, meta, output)
-        decode_full = self.moba.decode == "full"
-        if decode_full and meta.max_query_len == 1:  # decode steps only: all of them dense
+        if meta.all_dense_decodes:
             return super().forward(layer, query, key, value, kv_cache, meta, output)
-        if meta.decode_metadata is not None:  # mixed batch, decode = "full": decode rows through vLLM's kernel
+        if meta.decode_metadata is not None:  # dense decode steps in a mixed batch: through vLLM's kernel
             rows = meta.decode_rows
             part = output.new_empty((rows.numel(), *output.shape[1:]))
             super().forward(layer, query[rows], key[rows], value[rows], kv_cache, meta.decode_metadata, part)
@@ -262,7 +289,8 @@ class MobaAttentionImpl(CPUAttentionBackendImpl):
             block_table=meta.block_table,
             config=self.moba,
             scale=self.scale,
-            skip_decodes=decode_full,
+            skip=meta.dense_decodes,
+            gate_keys=self._gate_keys_for(kv_cache) if self._sparse_decode(layer) else None,
         )
         return output
 
@@ -285,6 +313,17 @@ class MobaAttentionImpl(CPUAttentionBackendImpl):
             dense=self._dense(layer), dca=self.dca,
         )  # fmt: skip
         return output
+
+
+def _decode_crossover(vllm_config: VllmConfig, config: MobaConfig, dtype: torch.dtype, head_dim: int) -> int:
+    """Blocks from which a sparse decode step beats a dense one on this machine (measured once per process and
+    setting, at startup; `MOBA_HF_DECODE_CROSSOVER` fixes it)."""
+    from ..kernels.decode import decode_crossover
+
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    q = torch.empty(1, model.get_num_attention_heads(parallel), 1, head_dim, dtype=dtype)
+    k = torch.empty(1, model.get_num_kv_heads(parallel), 1, head_dim, dtype=dtype)
+    return decode_crossover(q, k, block_size=config.block_size, top_k=config.top_k, gate=config.gate)
 
 
 def _dca_delta(layer: Any) -> torch.Tensor | None:

@@ -20,14 +20,17 @@ every later step), queries the same before they attend, and a sequence longer th
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import math
+from collections.abc import Container, Sequence
 
 import torch
 
 from ..config import MobaConfig
 from ..dca.config import DcaParams
 from ..kernels import causal_attention, moba_attention
+from ..kernels.common import gate_dtype, gate_features, gate_width
 from ..kernels.dca import dca_attention
+from ..kernels.decode import moba_decode_cache
 from ..kernels.rope import rotate
 
 
@@ -46,9 +49,99 @@ def gather_sequence(cache: torch.Tensor, pages: torch.Tensor, length: int, *, tr
     return rows.transpose(0, 1).flatten(1, 2)[:, :length]
 
 
+@dataclasses.dataclass(frozen=True)
+class PagedCache:
+    """One sequence's keys and values in vLLM's CPU pages, read as the windows sparse decode asks for
+    (`kernels.decode.CacheWindows`): only the selected positions are copied."""
+
+    key_cache: torch.Tensor  # (num_pages, kv_heads, D, page_size)
+    value_cache: torch.Tensor  # (num_pages, kv_heads, page_size, D)
+    pages: torch.Tensor  # (>= ceil(length / page_size),) long
+    length: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        _, hkv, d, _ = self.key_cache.shape
+        return (1, hkv, self.length, d)
+
+    def windows(self, start: torch.Tensor, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        page_size = self.key_cache.shape[3]
+        pos = start[..., None] + torch.arange(width, device=start.device)  # (1, Hkv, U, W)
+        page, offset = self.pages[pos // page_size], pos % page_size
+        head = torch.arange(start.shape[1], device=start.device)[None, :, None, None]
+        keys = self.key_cache[page, head, :, offset]  # (1, Hkv, U, W, D)
+        values = self.value_cache[page, head, offset]
+        return keys.flatten(2, 3).to(dtype), values.flatten(2, 3).to(dtype)
+
+
+class PagedGateKeys:
+    """The gate's pooled keys kept beside vLLM's paged cache, so a decode step never reads a whole sequence.
+
+    Each page is cut into units of gcd(MoBA block, page size) tokens; per unit and KV head it holds what the
+    pooling reduces (the sum of the keys for "mean", their max for "max" / "bound", both for "mean+max"), in
+    float32, (num_pages, kv_heads, units_per_page, width). A MoBA block's pooled key combines its units, so the
+    block size and the page size are independent. `update` recomputes the pages a cache write touched; a unit
+    is right once its last token is written, which every block before a query's own is (the own block's pooled
+    key is never scored). Pages shared by the prefix cache keep their content, hence their summaries.
+    """
+
+    def __init__(self, key_cache: torch.Tensor, block_size: int, pooling: str) -> None:
+        num_pages, hkv, d, page_size = key_cache.shape
+        self.block_size, self.pooling = block_size, pooling
+        self.unit = math.gcd(block_size, page_size)
+        self.dtype = gate_dtype(key_cache.dtype)
+        width = gate_width(d, pooling)
+        self.stats = torch.zeros(num_pages, hkv, page_size // self.unit, width, dtype=self.dtype)
+
+    def update(self, key_cache: torch.Tensor, pages: torch.Tensor) -> None:
+        """Recompute the summaries of `pages` (long, unique) from the cache."""
+        keys = key_cache.index_select(0, pages).transpose(2, 3).to(self.dtype)  # (P, Hkv, page, D)
+        features = gate_features(keys, self.pooling)
+        units = features.unflatten(2, (-1, self.unit))  # (P, Hkv, units, unit, features)
+        parts = []
+        if self.pooling in ("mean", "mean+max"):
+            parts.append(units.sum(dim=3))
+        if self.pooling in ("max", "mean+max", "bound"):
+            parts.append(units.amax(dim=3))
+        self.stats.index_copy_(0, pages, parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
+
+    def block_keys(self, pages: torch.Tensor, length: int) -> torch.Tensor:
+        """Pooled keys (1, Hkv, n_blocks, width) of a sequence of `length` tokens in `pages`, as
+        `kernels.common.pooled_keys` gives them for every block before the last; the last (the decode
+        query's own block) is zeros."""
+        hkv, units_per_page, width = self.stats.shape[1:]
+        before = (length - 1) // self.block_size  # complete blocks before the query's own
+        own = self.stats.new_zeros(1, hkv, 1, width)
+        if before == 0:
+            return own
+        per_block = self.block_size // self.unit
+        needed_pages = -(-before * per_block // units_per_page)
+        units = self.stats.index_select(0, pages[:needed_pages]).transpose(0, 1).flatten(1, 2)  # (Hkv, units, W)
+        units = units[:, : before * per_block].unflatten(1, (before, per_block))
+        if self.pooling == "mean":
+            keys = units.sum(dim=2) / self.block_size
+        elif self.pooling == "mean+max":
+            half = width // 2
+            keys = torch.cat([units[..., :half].sum(dim=2) / self.block_size, units[..., half:].amax(dim=2)], -1)
+        else:
+            keys = units.amax(dim=2)
+        return torch.cat([keys[None], own], dim=2)
+
+
 def is_decode(query_len: int) -> bool:
     # one new token is a decode step, as in the transformers path (nq == 1)
     return query_len == 1
+
+
+def dense_decodes(
+    query_lens: Sequence[int], seq_lens: Sequence[int], config: MobaConfig, sparse_from: int
+) -> list[int]:
+    """Sequences whose decode step runs dense: every one with decode = "full", else those with fewer than
+    `sparse_from` MoBA blocks (the measured decode crossover)."""
+    return [
+        i for i, (nq, n) in enumerate(zip(query_lens, seq_lens, strict=True))
+        if is_decode(nq) and (config.decode == "full" or -(-n // config.block_size) < sparse_from)
+    ]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,9 +185,10 @@ def moba_paged(
     block_table: torch.Tensor,
     config: MobaConfig,
     scale: float,
-    skip_decodes: bool = False,
+    skip: Container[int] = (),
     dense: bool = False,
     dca: PagedDca | None = None,
+    gate_keys: PagedGateKeys | None = None,
 ) -> None:
     """Write attention of every sequence's queries into `output`, in place.
 
@@ -102,15 +196,27 @@ def moba_paged(
     key_cache: (num_pages, kv_heads, D, page_size), value_cache: (num_pages, kv_heads, page_size, D), vLLM's CPU
     layout; output: (tokens, q_heads, D);
     query_start_loc: (num_seqs + 1,) token offsets; seq_lens: (num_seqs,) keys per sequence including the new
-    ones; block_table: (num_seqs, max_pages). skip_decodes: leave one-token queries to the caller (vLLM's
-    dense decode kernel for decode="full"). dense: causal attention (with DCA: dense DCA) instead of MoBA.
+    ones; block_table: (num_seqs, max_pages). skip: sequences (indices) the caller computes (decode steps it
+    runs on vLLM's dense kernel). dense: causal attention (with DCA: dense DCA) instead of MoBA.
+    gate_keys: the pooled keys kept beside the cache (up to date for every page): decode steps (decode="moba")
+    then read only their selected blocks; without it they gather their whole sequence.
     dca: Dual Chunk Attention, with query and key already moved to p mod s (`PagedDca.move`) and the cache
     holding keys at their p mod s.
     """
     for i, length in enumerate(seq_lens):
         start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
         nq, length = end - start, int(length)
-        if nq == 0 or (skip_decodes and is_decode(nq)):
+        if nq == 0 or i in skip:
+            continue
+        dense_here = dense or (is_decode(nq) and config.decode == "full")
+        if gate_keys is not None and is_decode(nq) and not dense_here and dca is None:
+            pages = block_table[i].long()
+            q = query[start:end].transpose(0, 1).unsqueeze(0)
+            out = moba_decode_cache(
+                q, PagedCache(key_cache, value_cache, pages, length), gate_keys.block_keys(pages, length),
+                block_size=config.block_size, top_k=config.top_k, gate=config.gate, scale=scale,
+            )  # fmt: skip
+            output[start:end] = out[0].transpose(0, 1).to(output.dtype)
             continue
         if nq == length:  # nothing cached before these tokens: read them directly
             k = key[start:end].transpose(0, 1)
@@ -120,7 +226,6 @@ def moba_paged(
             v = gather_sequence(value_cache, block_table[i], length)
         q = query[start:end].transpose(0, 1).unsqueeze(0)
         k, v = k.unsqueeze(0).to(q.dtype), v.unsqueeze(0).to(q.dtype)
-        dense_here = dense or (is_decode(nq) and config.decode == "full")
         if dca is not None and length > dca.params.chunk_size:  # within one chunk DCA changes nothing
             p = dca.params
             moba = {} if dense_here else config.kernel_kwargs()
