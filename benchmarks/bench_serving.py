@@ -1,6 +1,6 @@
 """vLLM serving speed on CPU: vLLM's own attention against the MoBA plugin, in the same run.
 
-    .venv-vllm/bin/python benchmarks/bench_serving.py --lengths 2048 4096 8192 [--moba '{"block_size": 512}']
+    .venv-vllm/bin/python benchmarks/bench_serving.py --lengths 2048 4096 8192 [--moba '{"block_size": 512}' ...]
     .venv-vllm/bin/python benchmarks/bench_serving.py --lengths 2048 4096 --settings vllm dca dca+moba \
         --dca '{"pretraining_length": 1024}' --moba '{"block_size": 128, "top_k": 4, "decode": "full"}'
 
@@ -20,11 +20,13 @@ pretraining_length in --dca).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -73,11 +75,19 @@ def run_engine(job: dict, env: dict[str, str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "out.json"
         job_file.write_text(json.dumps(job))
-        subprocess.run(
+        # its own process group: stopping the benchmark (an error, Ctrl-C) stops vLLM's engine processes too
+        proc = subprocess.Popen(
             [sys.executable, __file__, "--engine", str(job_file), str(out_file)],
             env={**os.environ, **env},
-            check=True,
+            start_new_session=True,
         )
+        try:
+            returncode = proc.wait()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the group (orphaned workers)
+        if returncode:
+            raise subprocess.CalledProcessError(returncode, proc.args)
         return json.loads(out_file.read_text())
 
 
@@ -87,7 +97,10 @@ def main() -> int:
         return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
-    p.add_argument("--moba", default='{"block_size": 512, "top_k": 3}', help="MobaConfig as JSON or a preset name")
+    p.add_argument(
+        "--moba", nargs="+", default=['{"block_size": 512, "top_k": 3}'],
+        help="MobaConfig as JSON or a preset name; several: one engine each (moba#1, moba#2, ...); dca+moba: the first",
+    )  # fmt: skip
     p.add_argument("--dca", default='{"pretraining_length": 4096}', help="DcaConfig as JSON (dca, dca+moba)")
     p.add_argument("--settings", nargs="+", default=["vllm", "moba"], choices=SETTINGS)
     p.add_argument("--repeats", type=int, default=1)
@@ -104,14 +117,13 @@ def main() -> int:
     from moba_hf.eval.texts import generated_text
     from moba_hf.models import local_path
 
-    moba = json.loads(args.moba) if args.moba.lstrip().startswith("{") else args.moba
-    moba_config = moba_hf.MobaConfig.from_spec(moba)
+    mobas = [moba_hf.MobaConfig.from_spec(json.loads(m) if m.lstrip().startswith("{") else m) for m in args.moba]
     dca = moba_hf.DcaConfig.from_dict(json.loads(args.dca))
-    configs = {
-        "moba": moba_config,
-        "dca": moba_hf.MobaConfig(sparse=False, dca=dca),
-        "dca+moba": moba_config.replace(dca=dca),
-    }
+    configs = {"moba" if len(mobas) == 1 else f"moba#{i + 1}": config for i, config in enumerate(mobas)}
+    configs.update({"dca": moba_hf.MobaConfig(sparse=False, dca=dca), "dca+moba": mobas[0].replace(dca=dca)})
+    names = []  # one engine each
+    for setting in args.settings:
+        names += [n for n in configs if n.split("#")[0] == "moba"] if setting == "moba" else [setting]
     path = str(local_path())
     tokenizer = AutoTokenizer.from_pretrained(path)
     text_ids = tokenizer(generated_text(max(args.lengths), seed=0), add_special_tokens=False).input_ids
@@ -132,14 +144,14 @@ def main() -> int:
     job = dict(prompts=prompts, verify=verify, verify_tokens=verify_tokens, repeats=args.repeats,
                decode_tokens=args.decode_tokens)  # fmt: skip
     results = {}
-    for name in args.settings:
+    for name in names:
         if name == "vllm":
             engine_env, hf_overrides = {**env, "VLLM_PLUGINS": "none"}, overrides
         else:
             engine_env, hf_overrides = env, {**overrides, "moba_config": configs[name].to_dict()}
         results[name] = run_engine({**job, "engine": {**engine, "hf_overrides": hf_overrides}}, engine_env)
 
-    for name in args.settings:
+    for name in names:
         if name == "vllm":
             continue
         config = configs[name]
@@ -164,7 +176,7 @@ def main() -> int:
         base = results["vllm"]["rows"][i] if "vllm" in results else None
         base_ttft = min(base["ttft"]) if base else float("nan")
         base_step = statistics.median(base["step"]) if base else float("nan")
-        for name in args.settings:
+        for name in names:
             row = results[name]["rows"][i]
             ttft, step = min(row["ttft"]), statistics.median(row["step"])
             decode = 1 / step if step > 0 else float("nan")
