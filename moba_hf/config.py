@@ -7,6 +7,7 @@ It is stored in ``model.config.moba_config`` as a plain dict, so ``save_pretrain
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -101,7 +102,7 @@ class MobaConfig:
                 )
             object.__setattr__(self, "full_attn_layer_ids", tuple(ids))
 
-    @property
+    @functools.cached_property  # read by every decode step; the fields it copies are frozen
     def gate(self) -> GateOptions:
         """The gate's pooling and forced blocks, as the kernels take them."""
         return GateOptions(self.pooling, self.sink_blocks, self.local_blocks)

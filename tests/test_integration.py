@@ -128,6 +128,30 @@ def test_revert_restores_previous_implementation():
     torch.testing.assert_close(model(ids).logits, want)
 
 
+def test_config_is_checked_once_per_change_not_per_layer_and_token(monkeypatch):
+    """The support check (with the moba_config parse behind it) runs again only when the config changed; a change,
+    in place or not, is seen by the next forward."""
+    from moba_hf.integration import attention
+
+    checks = []
+    check = attention.check_supported
+    monkeypatch.setattr(attention, "check_supported", lambda config: checks.append(config) or check(config))
+    model = tiny_model("llama", moba=MobaConfig(block_size=4, top_k=2))
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(0, 97, (1, 12))
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=6, do_sample=False)  # 6 forwards x 3 layers
+    assert len(checks) == 1
+    model.config.moba_config["top_k"] = 1  # edited in place
+    with torch.no_grad():
+        model(ids)
+    assert len(checks) == 2
+    assert {attention.model_settings(m).moba.top_k for m in model.modules() if hasattr(m, "layer_idx")} == {1}
+    model.config.use_bidirectional_attention = True
+    with pytest.raises(ValueError, match="use_bidirectional_attention=True"):
+        model(ids)
+
+
 def test_apply_installs_and_revert_removes_what_moba_adds():
     """apply hooks every attention module for the KV cache; revert removes the hooks and DCA's cached frequencies."""
     model = tiny_model("llama")

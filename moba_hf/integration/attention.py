@@ -7,17 +7,21 @@ rows are split into their sequences so blocks never mix tokens of different sequ
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import json
 import logging
+import weakref
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..config import MobaConfig
-from ..kernels import causal_attention, moba_attention, resolve_backend
-from ..kernels.common import needs_grad
+from ..dca.config import DcaParams
+from ..kernels import moba_attention, resolve_backend
+from ..kernels.common import causal_attention_unchecked, needs_grad
 from . import dca as dca_hf
 from . import sparsity
 from .cache import DENSE_STEP, cached_step
@@ -27,6 +31,7 @@ from .support import SUPPORTED_MODEL_TYPES, check_supported  # noqa: F401 - re-e
 logger = logging.getLogger("moba_hf")
 
 _warned_default: set[int] = set()
+_SETTINGS_ATTR = "_moba_settings"  # on the attention module: the ModelSettings of its last call
 
 
 @functools.lru_cache(maxsize=64)
@@ -60,6 +65,75 @@ def moba_config_of(model_config: Any) -> MobaConfig:
     return _parse(json.dumps(raw, sort_keys=True))
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModelSettings:
+    """What the attention function takes from a model config: worked out (and checked) once, then reused by every
+    layer and step while the config's attributes still equal `snapshot`, a copy taken after the checks (any
+    change to the config, its moba_config or its attention implementation, in place or not, checks again)."""
+
+    config_ref: weakref.ref
+    snapshot: dict[str, Any]
+    moba: MobaConfig
+    full_layers: frozenset[int]  # layers that keep full attention
+    dca: DcaParams | None  # None: DCA is off
+
+    def holds_for(self, model_config: Any) -> bool:
+        if self.config_ref() is not model_config:
+            return False
+        try:  # one C-level dict comparison; == takes identical values as equal without calling their __eq__
+            return _attributes(model_config) == self.snapshot
+        except Exception:  # noqa: BLE001 - a new value whose == cannot answer (e.g. a tensor): check again
+            return False
+
+
+def _attributes(model_config: Any) -> dict[str, Any]:
+    # the plain __dict__, past the config classes' own (Python-level) attribute lookup
+    return object.__getattribute__(model_config, "__dict__")
+
+
+def _snapshot(attributes: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a config's attributes that equals them until one changes: a deep copy of each value, or the value
+    itself where its copy does not compare equal to it (an object without ==: then a replacement is seen, an edit
+    inside it is not)."""
+    snapshot = {}
+    for name, value in attributes.items():
+        try:
+            copied = copy.deepcopy(value)
+            same = bool(copied == value)
+        except Exception:  # noqa: BLE001 - not copyable, or == gives no single answer (a tensor)
+            same = False
+        snapshot[name] = copied if same else value
+    return snapshot
+
+
+_latest: ModelSettings | None = None  # shared by the layers of one model: one snapshot, not one per layer
+
+
+def model_settings(module: torch.nn.Module) -> ModelSettings:
+    """The settings `module`'s config runs with: the support check, its MobaConfig (defaults if it has none), the
+    full-attention layers and DCA's parameters; the checks raise as they would on every call."""
+    global _latest
+    model_config = module.config
+    settings = module.__dict__.get(_SETTINGS_ATTR)
+    if settings is not None and settings.holds_for(model_config):
+        return settings
+    if _latest is None or not _latest.holds_for(model_config):
+        check_supported(model_config)
+        config = moba_config_of(model_config)  # may store a preset's settings back into the config: copy after
+        full_layers = config.full_layer_set(model_config.num_hidden_layers)
+        dca = dca_hf.resolve(config.dca, model_config, config.block_size if config.sparse else None)
+        snapshot = _snapshot(_attributes(model_config))
+        _latest = ModelSettings(weakref.ref(model_config), snapshot, config, full_layers, dca)
+    setattr(module, _SETTINGS_ATTR, _latest)
+    return _latest
+
+
+def drop_settings(model: torch.nn.Module) -> None:
+    """Forget the settings `model_settings` kept on the model's modules (used by `revert`)."""
+    for module in model.modules():
+        module.__dict__.pop(_SETTINGS_ATTR, None)
+
+
 def moba_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -70,21 +144,17 @@ def moba_attention_forward(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    model_config = module.config
-    check_supported(model_config)
-    config = moba_config_of(model_config)
+    settings = model_settings(module)
+    config = settings.moba
     if dropout:
         raise ValueError(f"moba attention does not implement attention dropout; got dropout={dropout} (use 0.0)")
-    # models whose code the support check cannot read (remote code) may still pass options MoBA would ignore
-    ignored = {k: kwargs[k] for k in ("softcap", "s_aux") if kwargs.get(k) is not None}
     window = kwargs.get("sliding_window")
-    if window is not None and key.shape[2] > window:  # a query sees its last `window` keys: all of them up to here
-        ignored["sliding_window"] = f"{window} (shorter than the {key.shape[2]} keys)"
-    if ignored:
-        raise ValueError(
-            f"moba attention cannot honour {', '.join(f'{k}={v}' for k, v in ignored.items())} passed by "
-            f"{type(module).__name__}: it needs plain causal full attention"
-        )
+    if (  # models whose code the support check cannot read (remote code) may still pass options MoBA would ignore
+        kwargs.get("softcap") is not None
+        or kwargs.get("s_aux") is not None
+        or (window is not None and key.shape[2] > window)  # a query sees its last `window` keys: all of them so far
+    ):
+        _refuse_options(module, key, kwargs)
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(
             "moba attention takes a 2-D padding mask (from attention_mask); got a prepared "
@@ -93,10 +163,11 @@ def moba_attention_forward(
 
     nq, nk = query.shape[2], key.shape[2]
     layer = getattr(module, "layer_idx", None)
-    dense = layer is not None and layer in config.full_layer_set(model_config.num_hidden_layers)
+    dense = layer is not None and layer in settings.full_layers
     dense = dense or (nq == 1 and config.decode == "full") or not config.sparse
-    # Dual Chunk Attention (None when off): moves the fresh keys in the cache and the queries to DCA positions
-    query, dca = dca_hf.remap_fresh(module, config, query, key, attention_mask, kwargs.get("position_ids"))
+    dca = None
+    if settings.dca is not None:  # moves the fresh keys in the cache and the queries to DCA positions
+        query, dca = dca_hf.remap_fresh(module, settings.dca, query, key, attention_mask, kwargs.get("position_ids"))
 
     if not dense and dca is None:  # with a KV cache: keep the block state in step; sparse decode when it applies
         out = cached_step(module, query, key, value, attention_mask, config, scaling)
@@ -121,6 +192,17 @@ def moba_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+def _refuse_options(module: torch.nn.Module, key: torch.Tensor, kwargs: dict[str, Any]) -> None:
+    ignored = {k: kwargs[k] for k in ("softcap", "s_aux") if kwargs.get(k) is not None}
+    window = kwargs.get("sliding_window")
+    if window is not None and key.shape[2] > window:
+        ignored["sliding_window"] = f"{window} (shorter than the {key.shape[2]} keys)"
+    raise ValueError(
+        f"moba attention cannot honour {', '.join(f'{k}={v}' for k, v in ignored.items())} passed by "
+        f"{type(module).__name__}: it needs plain causal full attention"
+    )
+
+
 def _attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -135,7 +217,8 @@ def _attend(
         return dca.attend(q, k, v, config, scale, dense, layer)
     if dense:
         sparsity.record_attention(layer, q, k.shape[2], "sdpa")
-        return causal_attention(q, k, v, scale=scale)
+        # q, k, v are the model's own, the queries its newest keys (the mask function refuses anything else)
+        return causal_attention_unchecked(q, k, v, scale)
     backend = functools.partial(resolve_backend, config.backend, q, needs_grad=needs_grad(q, k, v))
     sparsity.record_attention(layer, q, k.shape[2], backend, config)
     return moba_attention(q, k, v, scale=scale, backend=config.backend, **config.kernel_kwargs())

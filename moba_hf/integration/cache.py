@@ -38,6 +38,8 @@ DENSE_STEP = "dense"  # `cached_step`'s answer when a dense step is the cheaper 
 _STATE_ATTR = "_moba_block_state"  # on the Cache: {layer_idx: BlockState}
 _CALL_ATTR = "_moba_call"  # on the attention module, during its forward: (cache ref, keys-before-update ref)
 _HOOKS_ATTR = "_moba_cache_hooks"  # on the attention module: hook handles
+_CHECKED_ATTR = "_moba_checked_layers"  # on the Cache: the layers `check_cache_supported` passed
+_STEP_ATTR = "_moba_step"  # on the Cache: the crossover of the forward in progress, with what it depends on
 
 
 # --- finding the cache from inside the attention function --------------------------------------------------------
@@ -59,21 +61,27 @@ def _layer_keys(cache: Any, layer_idx: int | None) -> torch.Tensor | None:
     return keys if isinstance(keys, torch.Tensor) else None
 
 
+# The hooks run twice per layer and token: they write the module's __dict__ directly, which is what
+# nn.Module.__setattr__ does for a plain value after its (here needless) checks for parameters and submodules.
 def _pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     cache = _find_cache(args, kwargs)
     if cache is None:
-        setattr(module, _CALL_ATTR, None)
+        module.__dict__[_CALL_ATTR] = None
         return
     # decided now, while the layer still holds the keys of the previous step (`update` replaces them)
     layer = getattr(module, "layer_idx", None)
+    states = getattr(cache, _STATE_ATTR, None)
+    state = states.get(layer) if states else None
+    if state is None:  # no block state (e.g. every step so far dense): nothing to be in step with
+        module.__dict__[_CALL_ATTR] = (weakref.ref(cache), False)
+        return
     keys = _layer_keys(cache, layer)
-    state = (getattr(cache, _STATE_ATTR, None) or {}).get(layer)
-    in_step = keys is not None and state is not None and state.keys_ref is not None and state.keys_ref() is keys
-    setattr(module, _CALL_ATTR, (weakref.ref(cache), in_step and state.n == keys.shape[2]))
+    in_step = keys is not None and state.keys_ref is not None and state.keys_ref() is keys
+    module.__dict__[_CALL_ATTR] = (weakref.ref(cache), in_step and state.n == keys.shape[2])
 
 
 def _post_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    setattr(module, _CALL_ATTR, None)
+    module.__dict__[_CALL_ATTR] = None
 
 
 def install_hooks(module: torch.nn.Module) -> None:
@@ -274,6 +282,18 @@ def block_state(
 
 
 # --- the cached step ---------------------------------------------------------------------------------------------
+def _step_crossover(cache: Any, query: torch.Tensor, key: torch.Tensor, config: MobaConfig) -> int:
+    """`decode_crossover` for a decode step, looked up once per forward: the layers of a forward share the cache
+    length, the config and (in the models "moba" runs) the heads, dtype and device, and so the answer."""
+    step = (key.shape[2], config, query.shape, key.shape[1], query.dtype, query.device, torch.get_num_threads())
+    memo = getattr(cache, _STEP_ATTR, None)
+    if memo is None or memo[0] != step:
+        crossover = decode_crossover(query, key, block_size=config.block_size, top_k=config.top_k, gate=config.gate)
+        memo = (step, crossover)
+        setattr(cache, _STEP_ATTR, memo)
+    return memo[1]
+
+
 def cached_step(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -291,20 +311,23 @@ def cached_step(
     all new tokens real (what `generate` does, left padding included). Otherwise the block state, if the
     layer has one, is just kept in step.
     """
-    install_hooks(module)
     call = current_call(module)
     if call is None:
+        install_hooks(module)  # nothing to do once installed; hooks take effect from the next forward
         return None
     if padding_mask is not None and padding_mask.dtype != torch.bool:  # packed document ids: never with a cache
         padding_mask = None
     cache, in_step = call
     layer = getattr(module, "layer_idx", None)
-    check_cache_supported(cache, layer)
+    checked = getattr(cache, _CHECKED_ATTR, None)
+    if checked is None or layer not in checked:  # once per cache and layer: the kind of a cache's layers is fixed
+        check_cache_supported(cache, layer)
+        setattr(cache, _CHECKED_ATTR, (checked or frozenset()) | {layer})
     nq, nk = query.shape[2], key.shape[2]
     decode = config.decode == "moba" and nq < nk and nq <= DECODE_MAX_QUERIES and layer is not None
     crossover = 0  # measured only for decode steps: prefill and dense calls never pay for it
     if decode:
-        crossover = decode_crossover(query, key, block_size=config.block_size, top_k=config.top_k, gate=config.gate)
+        crossover = _step_crossover(cache, query, key, config)
     if decode and -(-nk // config.block_size) < crossover:
         # a dense step for sure (no row holds more than nk tokens): no block state is built for it; one built
         # earlier stays in step, and the first sparse step builds one from the cache

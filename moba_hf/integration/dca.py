@@ -144,21 +144,18 @@ class DcaRun:
 
 def remap_fresh(
     module: torch.nn.Module,
-    config: Any,
+    params: DcaParams,
     query: torch.Tensor,
     key: torch.Tensor,
     padding_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None,
-) -> tuple[torch.Tensor, DcaRun | None]:
+) -> tuple[torch.Tensor, DcaRun]:
     """Move the fresh keys (the last Nq of `key`, in place) and the queries to their DCA positions.
 
-    query: [B, Hq, Nq, D], key: [B, Hkv, Nk, D] as transformers hands them over (rotated at position_ids);
-    padding_mask: the 2-D mask the "moba" mask function prepared (None: no padding). Returns (query, DcaRun), or
-    (query, None) unchanged when DCA is off.
+    params: `resolve`'s answer for the model; query: [B, Hq, Nq, D], key: [B, Hkv, Nk, D] as transformers hands
+    them over (rotated at position_ids); padding_mask: the 2-D mask the "moba" mask function prepared (None: no
+    padding). Returns the moved query and the DcaRun that attends with it.
     """
-    params = resolve(config.dca, module.config, config.block_size if config.sparse else None)
-    if params is None:
-        return query, None
     b, nq, nk = query.shape[0], query.shape[2], key.shape[2]
     first = nk - nq
     device = query.device

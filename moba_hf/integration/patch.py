@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import MobaConfig
+from .attention import drop_settings
 from .cache import install_model_hooks, remove_hooks
 from .dca import drop_cached_frequencies
 from .dca import resolve as resolve_dca
@@ -52,6 +53,7 @@ def revert(model: Any) -> Any:
     delattr(model, _PREVIOUS)
     remove_hooks(model)  # the KV-cache hooks apply (or moba attention's first call) installed
     drop_cached_frequencies(model)
+    drop_settings(model)
     if moba_config is None:
         if "moba_config" in vars(model.config):
             del model.config.moba_config
