@@ -8,7 +8,7 @@ Settings: vllm (vLLM's own attention, plugin off), moba (--moba), dca (dense DCA
 dca+moba (--moba with --dca). For each setting one engine (a subprocess: vLLM starts processes) times, per
 prompt length, time to first token (a request with max_tokens=1: the prefill), prefill tokens/s, and decode
 tokens/s (the same prompt twice more, served from the prefix cache: 1 token, then 1 + N tokens; the
-difference is N decode steps, best and median of the repeats). Before timing,
+difference is N decode steps; --decode-repeats times per repeat, best and median). Before timing,
 each plugin setting's greedy tokens on the first min(shortest length, 2048) tokens (inside the model's trained
 window) are checked against the transformers path with the same MobaConfig. Rows go to a CSV with the machine,
 versions, settings and date on each (benchmarks/results_serving.csv by default). Lengths above the model's 8K
@@ -57,15 +57,17 @@ def engine_main(job_file: str, out_file: str) -> None:
             llm.generate([variant], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
             first.append(time.perf_counter() - t)
             # the same prompt again, now from the prefix cache: 1 token, then 1 + N; the difference is N decode steps
-            ends = []
-            for new_tokens in (1, 1 + job["decode_tokens"]):
-                t = time.perf_counter()
-                done = llm.generate(
-                    [variant], SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True), use_tqdm=False
-                )
-                ends.append(time.perf_counter() - t)
-                assert len(done[0].outputs[0].token_ids) == new_tokens
-            steps.append((ends[1] - ends[0]) / job["decode_tokens"])
+            for _ in range(job["decode_repeats"]):
+                ends = []
+                for new_tokens in (1, 1 + job["decode_tokens"]):
+                    t = time.perf_counter()
+                    done = llm.generate(
+                        [variant], SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False,
+                    )  # fmt: skip
+                    ends.append(time.perf_counter() - t)
+                    assert len(done[0].outputs[0].token_ids) == new_tokens
+                steps.append((ends[1] - ends[0]) / job["decode_tokens"])
         rows.append({"tokens": len(ids), "ttft": first, "step": steps})
     out["rows"] = rows
     Path(out_file).write_text(json.dumps(out))
@@ -105,6 +107,7 @@ def main() -> int:
     p.add_argument("--settings", nargs="+", default=["vllm", "moba"], choices=SETTINGS)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--decode-repeats", type=int, default=3, help="decode timings per prompt repeat (cheap: cached)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--csv", default=str(ROOT / "benchmarks" / "results_serving.csv"))
     args = p.parse_args()
@@ -142,7 +145,7 @@ def main() -> int:
         env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
         overrides["max_position_embeddings"] = max_len  # vLLM's RoPE table must cover every position
     job = dict(prompts=prompts, verify=verify, verify_tokens=verify_tokens, repeats=args.repeats,
-               decode_tokens=args.decode_tokens)  # fmt: skip
+               decode_tokens=args.decode_tokens, decode_repeats=args.decode_repeats)  # fmt: skip
     results = {}
     for name in names:
         if name == "vllm":
@@ -188,7 +191,7 @@ def main() -> int:
                 ttft_s_min=round(ttft, 4), ttft_s_median=round(statistics.median(row["ttft"]), 4),
                 prefill_tok_s=round(n / ttft, 1), decode_tok_s=round(decode, 2), ttft_speedup=round(ratio, 3),
                 decode_step_s_min=round(min(row["step"]), 5), decode_step_s_median=round(step, 5),
-                decode_speedup=round(decode_ratio, 3),
+                decode_speedup=round(decode_ratio, 3), decode_timings=len(row["step"]),
             ))  # fmt: skip
     out = Path(args.csv)
     out.parent.mkdir(parents=True, exist_ok=True)

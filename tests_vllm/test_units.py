@@ -119,6 +119,22 @@ def write_in_steps(kv_cache, pages, keys, values, steps, gate_keys):
         done += n
 
 
+def decode_step(config, kv_cache, pages, keys, values, query, gate_keys):
+    """The plugin's sparse decode step of one sequence (its last key is the query's) and `moba_attention`'s answer."""
+    length = keys.shape[0]
+    output = torch.full_like(query, float("nan"))
+    key_cache, value_cache = backend.cache_views(kv_cache)
+    moba_paged(
+        query, keys[-1:], values[-1:], key_cache, value_cache, output, query_start_loc=[0, 1], seq_lens=[length],
+        block_table=pages[None].int(), config=config, scale=D**-0.5, gate_keys=gate_keys,
+    )  # fmt: skip
+    want = moba_attention(
+        query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+        scale=D**-0.5, **config.kernel_kwargs(),
+    )  # fmt: skip
+    return output.transpose(0, 1)[None], want
+
+
 @pytest.mark.parametrize(
     "config",
     [
@@ -142,17 +158,8 @@ def test_sparse_decode_over_pooled_keys_equals_moba_attention(config, length):
     prompt = max(length - 5, 1)
     write_in_steps(kv_cache, pages, keys, values, [prompt] + [1] * (length - prompt), gate_keys)
     query = torch.randn(1, HQ, D, generator=gen)
-    output = torch.full_like(query, float("nan"))
-    key_cache, value_cache = backend.cache_views(kv_cache)
-    moba_paged(
-        query, keys[-1:], values[-1:], key_cache, value_cache, output, query_start_loc=[0, 1], seq_lens=[length],
-        block_table=pages[None].int(), config=config, scale=D**-0.5, gate_keys=gate_keys,
-    )  # fmt: skip
-    want = moba_attention(
-        query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-        scale=D**-0.5, **config.kernel_kwargs(),
-    )  # fmt: skip
-    torch.testing.assert_close(output.transpose(0, 1)[None], want, rtol=1e-5, atol=1e-5)
+    got, want = decode_step(config, kv_cache, pages, keys, values, query, gate_keys)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_pooled_keys_beside_the_pages_equal_pooled_keys():
@@ -185,17 +192,7 @@ def test_sparse_decode_propagates_nan_and_inf_as_moba_attention(bad):
     gate_keys = PagedGateKeys(backend.cache_views(kv_cache)[0], config.block_size, config.pooling)
     write_in_steps(kv_cache, pages, keys, values, [length], gate_keys)
     query = torch.randn(1, HQ, D, generator=gen)
-    output = torch.empty_like(query)
-    key_cache, value_cache = backend.cache_views(kv_cache)
-    moba_paged(
-        query, keys[-1:], values[-1:], key_cache, value_cache, output, query_start_loc=[0, 1], seq_lens=[length],
-        block_table=pages[None].int(), config=config, scale=D**-0.5, gate_keys=gate_keys,
-    )  # fmt: skip
-    want = moba_attention(
-        query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-        scale=D**-0.5, **config.kernel_kwargs(),
-    )  # fmt: skip
-    got = output.transpose(0, 1)[None]
+    got, want = decode_step(config, kv_cache, pages, keys, values, query, gate_keys)
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
 
