@@ -1,6 +1,6 @@
 """Imports point down only (docs/architecture.md): kernels know neither transformers nor the glue above them,
-integration knows nothing of eval / train / the command line. Read from the source with ast, so a lazy import
-inside a function counts too."""
+integration knows nothing of eval / train / the command line or vLLM, the vLLM plugin nothing of eval / train /
+the command line. Read from the source with ast, so a lazy import inside a function counts too."""
 
 import ast
 from pathlib import Path
@@ -12,9 +12,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "moba_hf"
 FORBIDDEN = {
     "kernels": (
         "transformers", "moba_hf.integration", "moba_hf.eval", "moba_hf.train", "moba_hf.cli", "moba_hf.dca",
-        "moba_hf.config", "moba_hf.models",
+        "moba_hf.config", "moba_hf.models", "vllm", "moba_hf.vllm",
     ),
-    "integration": ("moba_hf.eval", "moba_hf.train", "moba_hf.cli", "moba_hf.dca.cli"),
+    "integration": ("moba_hf.eval", "moba_hf.train", "moba_hf.cli", "moba_hf.dca.cli", "vllm", "moba_hf.vllm"),
+    "vllm": ("moba_hf.eval", "moba_hf.train", "moba_hf.cli", "moba_hf.demo"),
 }  # fmt: skip
 
 
