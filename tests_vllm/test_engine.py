@@ -12,11 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import socket
-import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
@@ -35,12 +31,12 @@ from conftest import (
 
 from moba_hf.vllm import settings
 
-# the `vllm serve` command line and its stop, as benchmarks/serve_passkey.py runs them
+# `vllm serve` started, awaited and stopped as benchmarks/serve_passkey.py does it
 _spec = importlib.util.spec_from_file_location("serve_passkey", HERE.parent / "benchmarks" / "serve_passkey.py")
 serve_passkey = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = serve_passkey
 _spec.loader.exec_module(serve_passkey)
-VLLM_CLI, stop = serve_passkey.VLLM_CLI, serve_passkey.stop
+VLLM_CLI = serve_passkey.VLLM_CLI
 
 pytestmark = pytest.mark.slow
 
@@ -158,45 +154,23 @@ def test_engine_refuses_bad_config_at_startup():
     assert "moba_hf: bad MoBA config from --hf-overrides moba_config: top_k must be an integer >= 1" in output
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_vllm_serve_returns_offline_text(preset, tmp_path):
     """`vllm serve` with MOBA_HF_CONFIG (a server file with the preset engine's settings) answers an
     OpenAI-style completion over HTTP with the offline engine's text."""
     config = tmp_path / "server.toml"
     config.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in PRESET.items()))
-    port = free_port()
+    port = serve_passkey.free_port()
     command = [
         sys.executable, "-c", VLLM_CLI, "serve", model_path(), "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--seed", "0",
     ]  # fmt: skip
-    log = open(tmp_path / "serve.log", "w")
-    env = {**os.environ, **ENGINE_ENV, settings.ENV: str(config)}
-    server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + SERVE_START_S
-        while True:
-            assert server.poll() is None, f"vllm serve exited:\n{(tmp_path / 'serve.log').read_text()[-4000:]}"
-            assert time.time() < deadline, "vllm serve did not become healthy in time"
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                time.sleep(2)
+    log = tmp_path / "serve.log"
+    with serve_passkey.vllm_server(command, {**ENGINE_ENV, settings.ENV: str(config)}, log, SERVE_START_S) as base:
         body = {"model": model_path(), "prompt": LONG[0], "max_tokens": MAX_TOKENS, "temperature": 0.0}
         request = urllib.request.Request(
             f"{base}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
         )
         with urllib.request.urlopen(request, timeout=120) as response:
             answer = json.loads(response.read())
-        assert answer["choices"][0]["text"] == preset["alone"][0]["text"]
-        assert "moba_hf: vLLM attention runs" in (tmp_path / "serve.log").read_text()
-    finally:
-        stop(server)
-        log.close()
+    assert answer["choices"][0]["text"] == preset["alone"][0]["text"]
+    assert "moba_hf: vLLM attention runs" in log.read_text()

@@ -48,9 +48,9 @@ def paged_batch(seq_lens, query_lens, seed=0):
 
 
 # a fresh prompt, a decode step, a chunk starting inside a MoBA block (110 = 64 + 46), a prompt after a cached
-# prefix of 96 tokens (three pages, one and a half MoBA blocks), a one-token prompt
-SEQ_LENS = [70, 75, 150, 200, 1]
-QUERY_LENS = [70, 1, 40, 104, 1]
+# prefix of 96 tokens (three pages, one and a half MoBA blocks), a one-token prompt, a decode step over 300
+SEQ_LENS = [70, 75, 150, 200, 1, 300]
+QUERY_LENS = [70, 1, 40, 104, 1, 1]
 
 
 @pytest.mark.parametrize(
@@ -62,14 +62,19 @@ QUERY_LENS = [70, 1, 40, 104, 1]
     ],
     ids=["blk64-k2", "blk48-k3-bound-sink1-local1", "blk20-k2-decodefull"],
 )
-def test_mixed_batch_equals_moba_attention_per_sequence(config):
+@pytest.mark.parametrize("pooled_beside_pages", [False, True], ids=["gathered", "pooled-beside-pages"])
+def test_mixed_batch_equals_moba_attention_per_sequence(config, pooled_beside_pages):
     kv_cache, table, starts, keys, values, query, key, value = paged_batch(SEQ_LENS, QUERY_LENS)
     key_cache, value_cache = backend.cache_views(kv_cache)
+    gate_keys = None
+    if pooled_beside_pages:  # decode = "moba" steps read only their selected blocks
+        gate_keys = PagedGateKeys(key_cache, config.block_size, config.pooling)
+        gate_keys.update(key_cache, torch.arange(kv_cache.shape[0]))
     output = torch.full_like(query, float("nan"))
     scale = D**-0.5
     moba_paged(
-        query, key, value, key_cache, value_cache, output,
-        query_start_loc=starts, seq_lens=SEQ_LENS, block_table=table, config=config, scale=scale,
+        query, key, value, key_cache, value_cache, output, query_start_loc=starts, seq_lens=SEQ_LENS,
+        block_table=table, config=config, scale=scale, gate_keys=gate_keys,
     )  # fmt: skip
     gate = dict(pooling=config.pooling, sink_blocks=config.sink_blocks, local_blocks=config.local_blocks)
     for i, nq in enumerate(QUERY_LENS):
