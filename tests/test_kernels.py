@@ -107,6 +107,40 @@ def test_query_parts_cut_at_block_boundaries():
     assert torch_impl.query_parts(600, 600, 64, 2) == [(0, 600)]  # parts of at least 512 queries
 
 
+def test_query_parts_balance_attended_keys():
+    # a query attends at most top_k blocks: the first part, whose queries see fewer keys, holds more of them
+    assert torch_impl.query_parts(4096, 4096, 64, 2, top_k=12) == [(0, 2240), (2240, 4096)]
+    assert torch_impl.query_parts(8192, 8192, 64, 2, top_k=12) == [(0, 4288), (4288, 8192)]
+    # every block selected: work grows with the position, so the first part is the longer one (by area: 1/sqrt 2)
+    assert torch_impl.query_parts(4096, 4096, 64, 2, top_k=64) == [(0, 2880), (2880, 4096)]
+    assert torch_impl.query_parts(4096, 4096, 64, 2) == [(0, 2048), (2048, 4096)]  # no top_k: equal sizes
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("rebase", [20.0, 0.5], ids=["default", "every-call"])
+@pytest.mark.parametrize("layout", ["chunked", "grouped"])
+def test_torch_gated_blocks_far_above_the_own_block(layout, rebase, dtype, monkeypatch):
+    """Gated pieces accumulate against the own block's log-sum-exp; pieces scoring hundreds above it (e^100
+    overflows float32) move that reference up (every call with a small `_REBASE`) and must neither overflow nor
+    lose precision."""
+    fused, group_rows, own_tile = LAYOUTS[layout]
+    monkeypatch.setattr(torch_impl, "_GROUP_ROWS", group_rows)
+    monkeypatch.setattr(torch_impl, "_OWN_TILE", own_tile)
+    monkeypatch.setattr(torch_impl, "_REBASE", rebase)
+    shape = (2, 4, 2, 150, 150, 16, 16, 4)
+    q, k, v = (t.detach() for t in _inputs(shape, torch.float64))
+    k[:, :, :40] *= 60  # early blocks score ~+-100 and more against later queries
+    q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    atol = rtol = case_tol(shape, dtype)
+    kw = {"block_size": 16, "top_k": 4}
+    grad = torch.randn(q.shape, dtype=dtype)
+    expected = _fwd_bwd(moba_attention_reference, q, k, v, grad, **kw)
+    actual = _fwd_bwd(moba_attention_torch, q, k, v, grad, **kw)
+    for name, e, a in zip(("out", "dq", "dk", "dv"), expected, actual, strict=True):
+        scale = 1 + float(e.detach().abs().max())  # dq / dk carry the keys' and queries' scale
+        torch.testing.assert_close(a, e, atol=atol * scale, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
+
+
 @pytest.mark.parametrize("shape", SHAPES[:3], ids=_id)
 def test_torch_matches_reference_float32(shape):
     _assert_matches_reference(moba_attention_torch, shape, {}, dtype=torch.float32)

@@ -159,8 +159,12 @@ def gate_queries(q: torch.Tensor, pooling: str) -> torch.Tensor:
     """
     if pooling == "mean+max":
         return torch.cat([q, q], dim=-1)
-    if pooling == "bound":
-        return torch.cat([q.clamp(min=0), (-q).clamp(min=0)], dim=-1)
+    if pooling == "bound":  # written into halves of one buffer: no concatenation pass (selection only: no grad)
+        q, d = q.detach(), q.shape[-1]
+        features = q.new_empty((*q.shape[:-1], 2 * d))
+        torch.clamp(q, min=0, out=features[..., :d])
+        torch.neg(q, out=features[..., d:]).clamp_(min=0)
+        return features
     return q
 
 

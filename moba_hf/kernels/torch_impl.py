@@ -66,13 +66,19 @@ def _batch_rows(device: torch.device, block_size: int) -> int:
 _PART_ROWS = 512
 
 
-def query_parts(nq: int, nk: int, block_size: int, workers: int) -> list[tuple[int, int]]:
-    """Query ranges [first, end) of about equal size (MoBA's work per query is about constant), cut at block
-    boundaries when the parts stay non-empty, so own blocks stay whole."""
+def query_parts(nq: int, nk: int, block_size: int, workers: int, top_k: int | None = None) -> list[tuple[int, int]]:
+    """Query ranges [first, end) of about equal work, cut at block boundaries when the parts stay non-empty, so
+    own blocks stay whole. A query's work is the keys it attends: up to top_k blocks, fewer near the start
+    (equal sizes when top_k is None)."""
     count = min(workers, nq // _PART_ROWS)
     start, cuts = nk - nq, [0]
+    work = None
+    if top_k is not None and count > 1:
+        work = (torch.arange(start + 1, nk + 1, dtype=torch.float64).clamp_(max=top_k * block_size)).cumsum(0)
     for i in range(1, count):
         cut = round(i * nq / count)
+        if work is not None:
+            cut = int(torch.searchsorted(work, work[-1] * i / count))
         aligned = round((start + cut) / block_size) * block_size - start
         cut = aligned if cuts[-1] < aligned < nq else cut
         if cuts[-1] < cut < nq:
@@ -116,38 +122,41 @@ class _Plan:
             (c, max(start, c * bs), min((c + 1) * bs, nk)) for c in range(start // bs, nb) if c not in full
         ]
         self.batches: list[tuple[slice, slice]] = []  # (rows, chunks) of each fused call
+        self.padded = False  # some rows are padding (`dummy`)
+        self.block_ids: list[int] | None = None  # grouped: each call's key block
         if earlier_slices is None:
             return
         rows, blocks = [], []
-        for a, earlier in earlier_slices:
-            ib, ih, iq, ij = earlier.nonzero().unbind(1)  # sorted by row, then block
-            rows.append((ib * hq + ih) * nq + iq + a)
-            blocks.append((ib * hkv + ih // g) * nb + ij)
-        rows, blocks = torch.cat(rows), torch.cat(blocks)
-        if rows.numel() == 0:
+        for a, earlier in earlier_slices:  # pairs in key-block order, then row order (the grouped layout's)
+            ib, ih, ij, ig, iq = earlier.unflatten(1, (hkv, g)).permute(0, 1, 4, 2, 3).nonzero().unbind(1)
+            rows.append(((ib * hkv + ih) * g + ig) * nq + iq + a)
+            blocks.append((ib * hkv + ih) * nb + ij)
+        pairs = sum(r.numel() for r in rows)
+        if pairs == 0:
             return
         count, chunk = variants
-        if fused_available(q) and self.finite_keys and rows.numel() >= _GROUP_ROWS * (b * hkv * nb):
-            self._grouped(rows, blocks)
+        if fused_available(q) and self.finite_keys and pairs >= _GROUP_ROWS * (b * hkv * nb):
+            self._grouped(*_merge_block_orders(rows, blocks, b * hkv * nb))
         else:
-            self._chunked(rows, blocks, _batch_rows(dev, bs))
+            rows, blocks = torch.cat(rows), torch.cat(blocks)
+            order = torch.argsort(rows, stable=True)  # row order, then block order
+            self._chunked(rows[order], blocks[order], _batch_rows(dev, bs))
         if count > 1:  # the query variant each pair reads: by chunk distance between query and block
             pos, blk = self.rows % nq + start, self.blocks.repeat_interleave(self.chunk_rows) % nb
             which = (pos // chunk - blk * bs // chunk).clamp(max=count - 1)
             self.source = self.rows + which * (b * hq * nq)
 
-    def _grouped(self, rows: torch.Tensor, blocks: torch.Tensor) -> None:
+    def _grouped(self, rows: torch.Tensor, keys: torch.Tensor, counts: torch.Tensor) -> None:
         """One fused call per key block with all the rows that picked it (no padding, the block's K/V not
-        copied per chunk); a block picked by more than 2 x _BATCH_ROWS rows is cut into calls of equal size."""
-        order = torch.argsort(blocks, stable=True)  # rows stay sorted within a block
-        self.rows, blocks = rows[order], blocks[order]
-        self.source = self.rows
+        copied per chunk); a block picked by more than 2 x _BATCH_ROWS rows is cut into calls of equal size.
+        rows: sorted by key block (`keys`, picked by `counts` rows each), then by row."""
+        self.rows = self.source = rows
         self.dummy = torch.zeros(rows.numel(), dtype=torch.bool, device=rows.device)
-        keys, counts = torch.unique_consecutive(blocks, return_counts=True)
         parts = [-(-n // (2 * _BATCH_ROWS)) for n in counts.tolist()]
         self.blocks = keys.repeat_interleave(torch.tensor(parts, device=rows.device))
         sizes = [n // m + (i < n % m) for n, m in zip(counts.tolist(), parts, strict=True) for i in range(m)]
         self.chunk_rows = torch.tensor(sizes, device=rows.device)
+        self.block_ids = self.blocks.tolist()
         first = 0
         for i, size in enumerate(sizes):
             self.batches.append((slice(first, first + size), slice(i, i + 1)))
@@ -173,6 +182,7 @@ class _Plan:
         self.source = self.rows
         self.dummy = torch.ones(self.rows.numel(), dtype=torch.bool, device=dev)
         self.dummy[pos] = False
+        self.padded = self.rows.numel() > rows.numel()
         self.blocks = torch.repeat_interleave(keys % nblk, chunks)
         self.chunk_rows = torch.full_like(self.blocks, self.chunk)
         # fused calls of at most batch_rows rows, never mixing two slots
@@ -185,6 +195,26 @@ class _Plan:
                 c_end = min(c + step, c0 + n_chunks)
                 self.batches.append((slice(c * self.chunk, c_end * self.chunk), slice(c, c_end)))
             c0 += n_chunks
+
+
+def _merge_block_orders(rows: list[torch.Tensor], blocks: list[torch.Tensor], n_blocks: int):
+    """Pairs of several query slices, each in (block, row) order, merged into one (block, row) order by counting
+    (no sort): slice s's pairs of block j go after those of earlier slices. Returns (rows, blocks present,
+    pairs per block present)."""
+    if len(rows) == 1:
+        keys, counts = torch.unique_consecutive(blocks[0], return_counts=True)
+        return rows[0], keys, counts
+    per_slice = torch.stack([torch.bincount(bl, minlength=n_blocks) for bl in blocks])  # [S, n_blocks]
+    total = per_slice.sum(0)
+    block_start = total.cumsum(0) - total
+    earlier_slices = per_slice.cumsum(0) - per_slice
+    merged = torch.empty(int(total.sum()), dtype=rows[0].dtype, device=rows[0].device)
+    for s, (r, bl) in enumerate(zip(rows, blocks, strict=True)):
+        within = per_slice[s].cumsum(0) - per_slice[s]  # where each block's pairs start in this slice's list
+        pos = (block_start + earlier_slices[s] - within).index_select(0, bl)
+        merged.index_copy_(0, pos.add_(torch.arange(r.numel(), device=r.device)), r)
+    present = total.nonzero().squeeze(1)
+    return merged, present, total.index_select(0, present)
 
 
 def _calls(chunks: slice) -> int:
@@ -207,6 +237,13 @@ def _key_blocks(t: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch
         return t.view(-1, block_size, d).index_select(0, blocks)[:, None]
     whole = t[:, :, : (n // block_size) * block_size].unflatten(2, (n // block_size, block_size))
     return whole[blocks // (h * nb), blocks // nb % h, blocks % nb][:, None]
+
+
+def _key_block(t: torch.Tensor, block: int, block_size: int) -> torch.Tensor:
+    """Key block `block` (flat over [B, Hkv, n_blocks]) of [B, Hkv, Nk, D] as a [1, 1, block_size, D] view."""
+    h, nb = t.shape[1], num_blocks(t.shape[2], block_size)
+    j = block % nb * block_size
+    return t[block // (h * nb), block // nb % h, j : j + block_size][None, None]
 
 
 def _own_tile(block_size: int) -> int:
@@ -302,25 +339,66 @@ def _forward(q, k, v, plan: _Plan, block_size: int, scale: float, dtype: torch.d
             )
             out[bi, heads, rows] = o[0]
             lse[bi, heads, rows] = l_[0]
+    # with finite scores the gated pieces accumulate with weights (`_accumulate`), else merge pairwise
+    weights = None
+    if plan.batches and plan.finite_keys:
+        weights = torch.ones(out_rows.shape[0], dtype=dtype, device=q.device)
     for rows, chunks in plan.batches:
         idx, src = plan.rows[rows], plan.source[rows]
         if total != nq:  # this part's flat rows -> rows of the whole output (and queries)
             idx = _whole_rows(idx, nq, total, first)
             src = src if q_gated is not None else _whole_rows(src, nq, total, first)
-        dst = idx.masked_fill(plan.dummy[rows], trash)
+        dummy = plan.dummy[rows] if plan.padded else None
+        dst = idx if dummy is None else idx.masked_fill(dummy, trash)
+        if plan.block_ids is None:
+            kb, vb = (_key_blocks(t, plan.blocks[chunks], bs).to(dtype) for t in (k, v))
+        else:  # grouped: one key block a call, read in place
+            kb, vb = (_key_block(t, plan.block_ids[chunks.start], bs).to(dtype) for t in (k, v))
         o, l_ = attention_with_lse(
             _rows(q_whole if q_gated is None else q_gated, src).to(dtype).view(_calls(chunks), 1, -1, d),
-            _key_blocks(k, plan.blocks[chunks], bs).to(dtype),
-            _key_blocks(v, plan.blocks[chunks], bs).to(dtype),
+            kb,
+            vb,
             None,
             scale,
         )
-        # log-sum-exp merge with what the row has so far (its own block and earlier slots)
-        o_new, l_new = out_rows.index_select(0, dst), lse_rows.index_select(0, dst)
-        merge_lse_(o_new, l_new, o.view(-1, d), l_.view(-1))
-        out_rows.index_copy_(0, dst, o_new)
-        lse_rows.index_copy_(0, dst, l_new)
+        if weights is None:  # log-sum-exp merge with what the row has so far (its own block and earlier slots)
+            o_new, l_new = out_rows.index_select(0, dst), lse_rows.index_select(0, dst)
+            merge_lse_(o_new, l_new, o.view(-1, d), l_.view(-1))
+            out_rows.index_copy_(0, dst, o_new)
+            lse_rows.index_copy_(0, dst, l_new)
+        else:
+            _accumulate(out_rows, lse_rows, weights, dst, o.view(-1, d), l_.view(-1), dummy)
+    if weights is not None:
+        weights = weights[: b * hq * total].view(b, hq, total)[:, :, first : first + nq]
+        out.div_(weights[..., None])
+        lse.add_(weights.log_())
     return out, lse
+
+
+# how far above a row's reference log-sum-exp a piece may be before the reference moves up: weights stay below
+# e^20 each, so thousands of them sum far from float32's overflow (e^88)
+_REBASE = 20.0
+
+
+def _accumulate(out_rows, lse_rows, weights, dst, o, l_, dummy) -> None:
+    """Add a call's pieces to their rows as ``out += w * o``, ``weights += w`` with ``w = exp(l_ - ref)``, where
+    the reference ``ref`` (in `lse_rows`) starts as the own block's log-sum-exp and `out` holds the own block's
+    output with weight 1; `_forward` divides by the weights at the end. Exact as the pairwise log-sum-exp merge,
+    without reading and rewriting each row's output per call. Finite scores only (finite keys): a reference
+    below a piece by more than `_REBASE` moves up to it, rescaling what the row holds."""
+    ref = lse_rows.index_select(0, dst)
+    rise = l_ - ref
+    high = rise > _REBASE
+    if bool(high.any()):
+        moved = dst[high]
+        factor = (ref[high] - l_[high]).exp_()
+        out_rows.index_copy_(0, moved, out_rows.index_select(0, moved).mul_(factor[:, None]))
+        weights.index_copy_(0, moved, weights.index_select(0, moved).mul_(factor))
+        lse_rows.index_copy_(0, moved, l_[high])
+        rise.masked_fill_(high, 0)
+    w = rise.exp_() if dummy is None else rise.exp_().masked_fill_(dummy, 0)  # padding rows add nothing
+    out_rows.index_add_(0, dst, o.mul_(w[:, None]))
+    weights.index_add_(0, dst, w)
 
 
 def _backward(do, q, k, v, out, lse, plan: _Plan, block_size: int, scale: float, dtype: torch.dtype):
@@ -479,7 +557,7 @@ def moba_attention_torch(
     # transformers hands over [B, N, H, D] transposed views; gathering rows of strided tensors is several times
     # slower than one copy (with block 64 it made an 8K forward 1.7x slower)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    parts = query_parts(q.shape[2], k.shape[2], block_size, worker_count(q.device))
+    parts = query_parts(q.shape[2], k.shape[2], block_size, worker_count(q.device), top_k)
     return _MobaTorch.apply(q, k, v, parts, block_size, top_k, gate, scale)
 
 
