@@ -108,9 +108,11 @@ def test_query_parts_cut_at_block_boundaries():
 
 
 def test_query_parts_balance_attended_keys():
-    # a query attends at most top_k blocks: the first part, whose queries see fewer keys, holds more of them
-    assert torch_impl.query_parts(4096, 4096, 64, 2, top_k=12) == [(0, 2240), (2240, 4096)]
-    assert torch_impl.query_parts(8192, 8192, 64, 2, top_k=12) == [(0, 4288), (4288, 8192)]
+    # a query attends at most top_k blocks but scores every earlier block: the first part, whose queries see
+    # fewer keys and blocks, holds more of them
+    assert torch_impl.query_parts(4096, 4096, 64, 2, top_k=12) == [(0, 2304), (2304, 4096)]
+    assert torch_impl.query_parts(8192, 8192, 64, 2, top_k=12) == [(0, 4672), (4672, 8192)]
+    assert torch_impl.query_parts(131072, 131072, 512, 2, top_k=3) == [(0, 72192), (72192, 131072)]
     # every block selected: work grows with the position, so the first part is the longer one (by area: 1/sqrt 2)
     assert torch_impl.query_parts(4096, 4096, 64, 2, top_k=64) == [(0, 2880), (2880, 4096)]
     assert torch_impl.query_parts(4096, 4096, 64, 2) == [(0, 2048), (2048, 4096)]  # no top_k: equal sizes

@@ -128,7 +128,7 @@ def pooled_keys(k: torch.Tensor, block_size: int, pooling: str) -> torch.Tensor:
     nb = num_blocks(n, block_size)
     kf = gate_features(k.to(gate_dtype(k.dtype)), pooling)
     pad = nb * block_size - n
-    blocks = F.pad(kf, (0, 0, 0, pad)).view(b, h, nb, block_size, kf.shape[-1])
+    blocks = (F.pad(kf, (0, 0, 0, pad)) if pad else kf).reshape(b, h, nb, block_size, kf.shape[-1])
     pooled = []
     if pooling in ("mean", "mean+max"):
         counts = torch.full((nb,), float(block_size), dtype=kf.dtype, device=k.device)
@@ -199,8 +199,9 @@ def selected_blocks(
     gate: GateOptions = DEFAULT_GATE,
     q_start: int | None = None,
     pooled: torch.Tensor | None = None,
+    trim: bool = False,
 ) -> torch.Tensor:
-    """Which blocks each query attends: bool [B, Hq, Nq, n_blocks].
+    """Which blocks each query attends: bool [B, Hq, Nq, n_blocks] (trim: only up to the last query's block).
 
     True for the query's current block, the forced sink / local blocks before it, and the `top_k - 1`
     earlier blocks with the highest gate score among the rest; never a future block.
@@ -226,7 +227,7 @@ def selected_blocks(
             top_k=top_k,
             gate=gate,
         )
-        return chosen if seen == nb else F.pad(chosen, (0, nb - seen))
+        return chosen if seen == nb or trim else F.pad(chosen, (0, nb - seen))
 
 
 def choose_blocks(
@@ -240,7 +241,8 @@ def choose_blocks(
 ) -> torch.Tensor:
     """The MoBA selection rule, given each query's current block [Nq] and its gate scores.
 
-    `scores()` returns [B, Hq, Nq, n_blocks] and is called only when some block is gated (top_k > 1). Returns
+    `scores()` returns a new [B, Hq, Nq, n_blocks] tensor (masked in place) and is called only when some block is
+    gated (top_k > 1). Returns
     bool [B, Hq, Nq, n_blocks]: the current block, forced sink / local blocks before it, and the top_k - 1
     best-scoring other earlier blocks. Shared by plain MoBA and DCA (whose scores mix query variants);
     `gate.pooling` is already in the scores.
@@ -259,7 +261,14 @@ def choose_blocks(
         return selected
     # a NaN score (a NaN key pooled into the block, or a NaN query) ranks first, as in torch.max / topk, and its
     # block is picked: the row then attends the NaN and shows it instead of hiding it behind other blocks
-    gated = scores().masked_fill(~(earlier & ~forced), float("-inf"))
+    gated = scores()
+    excluded = ~(earlier & ~forced)
+    # columns between the sink blocks and the first query's local window are candidates for every row: only the
+    # columns around them need the mask (a long prefill's slice then masks a few columns, not all of them)
+    first = max(0, int(current.min()) - local_blocks) if current.numel() else 0
+    if sink_blocks:
+        gated[..., :sink_blocks].masked_fill_(excluded[:, :sink_blocks], float("-inf"))
+    gated[..., first:].masked_fill_(excluded[:, first:], float("-inf"))
     picked = torch.zeros_like(gated, dtype=torch.bool)
     if n_pick <= _MAX_PASS_PICKS:  # a max pass per pick beats topk for the paper's top_k = 3 (1.7x on CPU)
         own = current.view(1, 1, -1, 1).expand(*gated.shape[:-1], 1)
@@ -282,11 +291,13 @@ def selection_slices(
     top_k: int,
     gate: GateOptions,
     slice_rows: int,
+    trim: bool = False,
 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """`selected_blocks` over query slices of `slice_rows` (bounds the gate scores held at once).
 
     Yields (index of the slice's first query, selected [B, Hq, n, n_blocks], earlier = selected minus the own
-    block). Fast backends treat the own block (causal) apart from the gated earlier blocks.
+    block). Fast backends treat the own block (causal) apart from the gated earlier blocks. trim: the last dim
+    ends at the slice's last block (later blocks are never selected; half the width of a long prefill's).
     """
     nq, nk = q.shape[2], k.shape[2]
     start = nk - nq
@@ -303,8 +314,9 @@ def selection_slices(
             gate=gate,
             q_start=start + a,
             pooled=pooled,
+            trim=trim,
         )
-        own = ((torch.arange(n, device=q.device) + start + a) // block_size)[:, None] == blk
+        own = ((torch.arange(n, device=q.device) + start + a) // block_size)[:, None] == blk[: selected.shape[-1]]
         yield a, selected, selected & ~own
 
 
