@@ -9,9 +9,10 @@ Work is split into *pieces*, each a small dense attention whose partial softmaxe
 
 Every row sees its own block exactly once and each picked earlier block once, so merging the pieces' (out, lse)
 gives the softmax over the union of attended keys (with finite keys the gated pieces accumulate with weights
-against the own block's log-sum-exp, `_accumulate`, instead of merging pairwise). Memory grows with N * top_k * block_size (pieces are bounded
-in rows), never with N^2. The backward recomputes each piece from the saved final output and log-sum-exp, the
-flash-attention way: P = exp(S - lse_final) is that piece's share of the global softmax.
+against the own block's log-sum-exp, `_accumulate`, instead of merging pairwise). Memory grows with
+N * top_k * block_size (pieces are bounded in rows), never with N^2. The backward recomputes each piece from the
+saved final output and log-sum-exp, the flash-attention way: P = exp(S - lse_final) is that piece's share of the
+global softmax.
 
 The pieces and their merge are `kernels.dense` (PyTorch's fused CPU flash-attention op where it serves).
 """
