@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from kernel_cases import rounding_tol
 
-from moba_hf.kernels import causal_attention, moba_attention, moba_attention_reference
+from moba_hf.kernels import causal_attention, gate_scores, moba_attention, moba_attention_reference
 
 
 def brute_force_moba(q, k, v, block_size, top_k, scale=None, pooling="mean", sink_blocks=0, local_blocks=0):
@@ -165,3 +165,23 @@ def test_bad_shapes_raise_value_error():
         moba_attention(torch.randn(1, 2, 5, 4), torch.randn(1, 2, 4, 4), torch.randn(1, 2, 4, 4), block_size=2, top_k=1)
     with pytest.raises(ValueError, match="backend must be one of"):
         moba_attention(*(torch.randn(1, 2, 4, 4) for _ in range(3)), block_size=2, top_k=1, backend="cuda-magic")
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["selection", "differentiable"])
+def test_bound_gate_scores(grad):
+    """The bound gate's score is sum_d max(q_d min_d, q_d max_d) over the block's keys, whether the queries are
+    scored for selection (one buffer, no autograd) or differentiated through (public `gate_scores`)."""
+    q = torch.randn(2, 4, 9, 8, dtype=torch.float64, requires_grad=grad)
+    k = torch.randn(2, 2, 20, 8, dtype=torch.float64)
+    scores = gate_scores(q, k, 4, "bound")
+    blocks = k.unflatten(2, (5, 4))
+    lo, hi = blocks.amin(3)[:, :, None, None], blocks.amax(3)[:, :, None, None]  # [B, Hkv, 1, 1, 5, D]
+    qe = q.unflatten(1, (2, 2))[..., None, :]  # [B, Hkv, G, Nq, 1, D]
+    expected = torch.maximum(qe * lo, qe * hi).sum(-1).flatten(1, 2)
+    torch.testing.assert_close(scores, expected)
+    assert scores.requires_grad == grad
+    if grad:
+        weights = torch.randn(scores.shape, dtype=torch.float64)
+        (actual,) = torch.autograd.grad((scores * weights).sum(), q)
+        (wanted,) = torch.autograd.grad((expected * weights).sum(), q)
+        torch.testing.assert_close(actual, wanted)

@@ -159,8 +159,10 @@ def gate_queries(q: torch.Tensor, pooling: str) -> torch.Tensor:
     """
     if pooling == "mean+max":
         return torch.cat([q, q], dim=-1)
-    if pooling == "bound":  # written into halves of one buffer: no concatenation pass (selection only: no grad)
-        q, d = q.detach(), q.shape[-1]
+    if pooling == "bound":
+        if torch.is_grad_enabled() and q.requires_grad:
+            return torch.cat([q.clamp(min=0), (-q).clamp(min=0)], dim=-1)
+        d = q.shape[-1]  # selection (no grad): the halves written into one buffer, no concatenation pass
         features = q.new_empty((*q.shape[:-1], 2 * d))
         torch.clamp(q, min=0, out=features[..., :d])
         torch.neg(q, out=features[..., d:]).clamp_(min=0)
@@ -226,6 +228,7 @@ def selected_blocks(
             batch_heads=(q.shape[0], q.shape[1]),
             top_k=top_k,
             gate=gate,
+            first_block=start // block_size,
         )
         return chosen if seen == nb or trim else F.pad(chosen, (0, nb - seen))
 
@@ -238,6 +241,7 @@ def choose_blocks(
     batch_heads: tuple[int, int],
     top_k: int,
     gate: GateOptions,
+    first_block: int = 0,
 ) -> torch.Tensor:
     """The MoBA selection rule, given each query's current block [Nq] and its gate scores.
 
@@ -245,7 +249,8 @@ def choose_blocks(
     gated (top_k > 1). Returns
     bool [B, Hq, Nq, n_blocks]: the current block, forced sink / local blocks before it, and the top_k - 1
     best-scoring other earlier blocks. Shared by plain MoBA and DCA (whose scores mix query variants);
-    `gate.pooling` is already in the scores.
+    `gate.pooling` is already in the scores. first_block: no query's current block is below it (lets the
+    exclusion mask skip the columns that are candidates for every row; 0 masks all).
     """
     sink_blocks, local_blocks = gate.sink_blocks, gate.local_blocks
     blk = torch.arange(n_blocks, device=current.device)
@@ -265,7 +270,7 @@ def choose_blocks(
     excluded = ~(earlier & ~forced)
     # columns between the sink blocks and the first query's local window are candidates for every row: only the
     # columns around them need the mask (a long prefill's slice then masks a few columns, not all of them)
-    first = max(0, int(current.min()) - local_blocks) if current.numel() else 0
+    first = max(0, first_block - local_blocks)
     if sink_blocks:
         gated[..., :sink_blocks].masked_fill_(excluded[:, :sink_blocks], float("-inf"))
     gated[..., first:].masked_fill_(excluded[:, first:], float("-inf"))

@@ -103,6 +103,7 @@ def dca_selected_blocks(
             batch_heads=(variants[0].shape[0], variants[0].shape[1]),
             top_k=top_k,
             gate=gate,
+            first_block=(nk - nq) // block_size,
         )
 
 

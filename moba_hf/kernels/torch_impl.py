@@ -133,21 +133,29 @@ class _Plan:
         self.block_ids: list[int] | None = None  # grouped: each call's key block
         if earlier_slices is None:
             return
+        groupable = fused_available(q) and self.finite_keys
         rows, blocks = [], []
-        for a, earlier in earlier_slices:  # pairs in key-block order, then row order (the grouped layout's)
-            ib, ih, ij, ig, iq = earlier.unflatten(1, (hkv, g)).permute(0, 1, 4, 2, 3).nonzero().unbind(1)
-            rows.append(((ib * hkv + ih) * g + ig) * nq + iq + a)
-            blocks.append((ib * hkv + ih) * nb + ij)
+        for a, earlier in earlier_slices:
+            if groupable:  # pairs in key-block order, then row order (the grouped layout's)
+                ib, ih, ij, ig, iq = earlier.unflatten(1, (hkv, g)).permute(0, 1, 4, 2, 3).nonzero().unbind(1)
+                rows.append(((ib * hkv + ih) * g + ig) * nq + iq + a)
+                blocks.append((ib * hkv + ih) * nb + ij)
+            else:  # pairs in row order, then block order (the chunked layout's)
+                ib, ih, iq, ij = earlier.nonzero().unbind(1)
+                rows.append((ib * hq + ih) * nq + iq + a)
+                blocks.append((ib * hkv + ih // g) * nb + ij)
         pairs = sum(r.numel() for r in rows)
         if pairs == 0:
             return
         count, chunk = variants
-        if fused_available(q) and self.finite_keys and pairs >= _GROUP_ROWS * (b * hkv * nb):
+        if groupable and pairs >= _GROUP_ROWS * (b * hkv * nb):
             self._grouped(*_merge_block_orders(rows, blocks, b * hkv * nb))
         else:
             rows, blocks = torch.cat(rows), torch.cat(blocks)
-            order = torch.argsort(rows, stable=True)  # row order, then block order
-            self._chunked(rows[order], blocks[order], _batch_rows(dev, bs))
+            if groupable:  # few pairs: back to row order, then block order
+                order = torch.argsort(rows, stable=True)
+                rows, blocks = rows[order], blocks[order]
+            self._chunked(rows, blocks, _batch_rows(dev, bs))
         if count > 1:  # the query variant each pair reads: by chunk distance between query and block
             pos, blk = self.rows % nq + start, self.blocks.repeat_interleave(self.chunk_rows) % nb
             which = (pos // chunk - blk * bs // chunk).clamp(max=count - 1)
@@ -347,9 +355,10 @@ def _forward(q, k, v, plan: _Plan, block_size: int, scale: float, dtype: torch.d
             )
             out[bi, heads, rows] = o[0]
             lse[bi, heads, rows] = l_[0]
-    # with finite scores the gated pieces accumulate with weights (`_accumulate`), else merge pairwise
+    # with finite scores the gated pieces accumulate with weights (`_accumulate`), else merge pairwise; CPU only,
+    # where reading back whether a reference must move costs no device synchronisation
     weights = None
-    if plan.batches and plan.finite_keys:
+    if plan.batches and plan.finite_keys and q.device.type == "cpu":
         weights = torch.ones(out_rows.shape[0], dtype=dtype, device=q.device)
     for rows, chunks in plan.batches:
         idx, src = plan.rows[rows], plan.source[rows]
