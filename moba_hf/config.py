@@ -52,6 +52,10 @@ class MobaConfig:
                          over the block's keys, from each channel's max and min).
     sink_blocks:         always attend the first n blocks, on top of the top_k selection.
     local_blocks:        always attend the n blocks before the current one, on top of the top_k selection.
+    dense_tail:          the last n queries of every call that brings more than one new token (a prompt, or a
+                         chunk of one) attend every earlier key, densely; the rest of the call stays sparse. The
+                         end of a prompt usually holds the question, which needs to see the whole context.
+                         Single-token decode steps follow `decode`.
     sparse:              False: every layer attends densely (e.g. DCA alone, without MoBA).
     dca:                 Dual Chunk Attention (`moba_hf.DcaConfig`; True = its defaults; False = off). None: on
                          only if the checkpoint carries Qwen's dual_chunk_attention_config.
@@ -66,6 +70,7 @@ class MobaConfig:
     pooling: str = "mean"
     sink_blocks: int = 0
     local_blocks: int = 0
+    dense_tail: int = 0
     sparse: bool = True
     dca: DcaConfig | bool | None = None
 
@@ -75,6 +80,7 @@ class MobaConfig:
         _check_int("full_attn_layers", self.full_attn_layers, 0)
         _check_int("sink_blocks", self.sink_blocks, 0)
         _check_int("local_blocks", self.local_blocks, 0)
+        _check_int("dense_tail", self.dense_tail, 0)
         _check_choice("decode", self.decode, DECODE_MODES)
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("pooling", self.pooling, POOLINGS)
@@ -108,8 +114,18 @@ class MobaConfig:
         return GateOptions(self.pooling, self.sink_blocks, self.local_blocks)
 
     def kernel_kwargs(self) -> dict[str, Any]:
-        """The MoBA keywords of the kernels' public functions (`moba_attention`, `moba_decode`, `dca_attention`)."""
+        """The MoBA keywords shared by the kernels' public functions (`moba_attention`, `moba_decode`,
+        `dca_attention`); `prefill_kwargs` adds the dense tail."""
         return dict(block_size=self.block_size, top_k=self.top_k, **self.gate.as_kwargs())
+
+    def tail_queries(self, num_queries: int) -> int:
+        """How many of a call's `num_queries` new queries attend densely (`dense_tail`; none in a decode step)."""
+        return min(self.dense_tail, num_queries) if num_queries > 1 else 0
+
+    def prefill_kwargs(self, num_queries: int) -> dict[str, Any]:
+        """`kernel_kwargs` plus the dense tail of a call with `num_queries` new queries (`moba_attention`,
+        `dca_attention`)."""
+        return dict(self.kernel_kwargs(), dense_tail=self.tail_queries(num_queries))
 
     # --- which layers are dense -------------------------------------------------------------------
     def full_layer_set(self, num_layers: int) -> frozenset[int]:
@@ -137,7 +153,8 @@ class MobaConfig:
 
         Exact for the block layout: each query attends its own block causally plus up to
         `top_k - 1` full earlier blocks (sink and local blocks included in the count, assuming the
-        gate picks other blocks). Full-attention layers are not counted here.
+        gate picks other blocks), and the last `dense_tail` queries attend every earlier key.
+        Full-attention layers are not counted here.
         """
         _check_int("seq_len", seq_len, 1)
         if not self.sparse:
@@ -145,10 +162,13 @@ class MobaConfig:
         bs = self.block_size
         causal_pairs = seq_len * (seq_len + 1) // 2
         extra = self.top_k - 1 + self.sink_blocks + self.local_blocks
+        tail = self.tail_queries(seq_len)
+        head = seq_len - tail  # queries that attend sparsely
         attended = 0
-        for c in range(math.ceil(seq_len / bs)):
-            n = min(bs, seq_len - c * bs)  # queries (and keys) in block c
+        for c in range(math.ceil(head / bs)):
+            n = min(bs, head - c * bs)  # sparse queries in block c (they see the block's keys up to themselves)
             attended += n * (n + 1) // 2 + n * min(c, extra) * bs
+        attended += causal_pairs - head * (head + 1) // 2  # the dense tail
         return 1.0 - attended / causal_pairs
 
     # --- (de)serialisation ------------------------------------------------------------------------

@@ -59,8 +59,9 @@ QUERY_LENS = [70, 1, 40, 104, 1, 1]
         MobaConfig(block_size=64, top_k=2),
         MobaConfig(block_size=48, top_k=3, pooling="bound", sink_blocks=1, local_blocks=1),
         MobaConfig(block_size=20, top_k=2, decode="full", pooling="mean+max"),
+        MobaConfig(block_size=48, top_k=2, pooling="bound", dense_tail=30),
     ],
-    ids=["blk64-k2", "blk48-k3-bound-sink1-local1", "blk20-k2-decodefull"],
+    ids=["blk64-k2", "blk48-k3-bound-sink1-local1", "blk20-k2-decodefull", "blk48-k2-bound-tail30"],
 )
 @pytest.mark.parametrize("pooled_beside_pages", [False, True], ids=["gathered", "pooled-beside-pages"])
 def test_mixed_batch_equals_moba_attention_per_sequence(config, pooled_beside_pages):
@@ -84,6 +85,9 @@ def test_mixed_batch_equals_moba_attention_per_sequence(config, pooled_beside_pa
             want = causal_attention(q, k, v, scale=scale)
         else:
             want = moba_attention(q, k, v, block_size=config.block_size, top_k=config.top_k, scale=scale, **gate)
+            tail = min(config.dense_tail, nq) if nq > 1 else 0  # a prompt's or a chunk's last queries, not a decode
+            if tail:
+                want[:, :, nq - tail :] = causal_attention(q[:, :, nq - tail :], k, v, scale=scale)
         got = output[starts[i] : starts[i + 1]].transpose(0, 1)[None]
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"sequence {i}")
 
@@ -239,8 +243,9 @@ def dca_paged_batch(dca: PagedDca, seq_lens, query_lens):
         (MobaConfig(sparse=False), False),
         (MobaConfig(block_size=16, top_k=3), True),
         (MobaConfig(block_size=16, top_k=2, pooling="bound", sink_blocks=1, local_blocks=1, decode="full"), False),
+        (MobaConfig(block_size=16, top_k=2, pooling="bound", dense_tail=5), True),
     ],
-    ids=["dense", "blk16-k3-temperature", "blk16-k2-bound-sink1-local1-decodefull"],
+    ids=["dense", "blk16-k3-temperature", "blk16-k2-bound-sink1-local1-decodefull", "blk16-k2-bound-tail5"],
 )
 def test_paged_dca_mixed_batch_equals_dca_per_sequence(config, temperature):
     dca = PagedDca(DcaParams(pretraining_length=C, chunk_size=S, temperature=temperature), default_inv_freq(D, 1e4))
@@ -263,15 +268,18 @@ def test_paged_dca_mixed_batch_equals_dca_per_sequence(config, temperature):
         v = values[i].transpose(0, 1)[None]
         dense = not config.sparse or (nq == 1 and config.decode == "full")
         moba = {} if dense else dict(block_size=config.block_size, top_k=config.top_k, **gate)
+        dca_args = dict(pretraining_length=C, chunk_size=S, inv_freq=dca.inv_freq, scale=scale,
+                        temperature=dca.params.temperature_factor(n))  # fmt: skip
         if n > S:
-            want = dca_attention(
-                q, k, v, pretraining_length=C, chunk_size=S, inv_freq=dca.inv_freq, scale=scale,
-                temperature=dca.params.temperature_factor(n), **moba,
-            )  # fmt: skip
+            want = dca_attention(q, k, v, **dca_args, **moba)
         elif dense:
             want = causal_attention(q, k, v, scale=scale)
         else:
             want = moba_attention(q, k, v, scale=scale, **moba)
+        tail = min(config.dense_tail, nq) if nq > 1 and not dense else 0  # the last queries of a prompt or chunk
+        if tail:  # attend as dense DCA (plain causal attention within one chunk) over all n keys
+            dense_rows = dca_attention(q, k, v, **dca_args) if n > S else causal_attention(q, k, v, scale=scale)
+            want[:, :, nq - tail :] = dense_rows[:, :, nq - tail :]
         got = output[starts[i] : starts[i + 1]].transpose(0, 1)[None]
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5, msg=f"sequence {i}")
 

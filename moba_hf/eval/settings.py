@@ -34,6 +34,9 @@ from ..integration import apply, revert
 MOBA = "moba"
 
 
+_SHORT = {"dense_tail": "tail"}  # grid names: a field's first word, unless that would mislead
+
+
 def _sweep_grid() -> dict[str, MobaConfig]:
     """The training-free sweep's named MoBA settings; budgets around 70-80% sparsity at 8K, plus the paper's."""
     grid = {}
@@ -60,8 +63,13 @@ def _sweep_grid() -> dict[str, MobaConfig]:
         (128, 6, 3, {"sink_blocks": 1, "local_blocks": 1}),
         (32, 24, 3, {"pooling": "mean+max", "sink_blocks": 1, "local_blocks": 1}),
         (32, 24, 0, {"sink_blocks": 1, "local_blocks": 1}),
+        # the question densely: the training-free gate with a dense tail, at the preset's budget and at >= 70%
+        (64, 12, 3, {"pooling": "bound", "sink_blocks": 1, "local_blocks": 1, "dense_tail": 64}),
+        (64, 6, 2, {"pooling": "bound", "sink_blocks": 1, "local_blocks": 1, "dense_tail": 64}),
+        (64, 6, 0, {"pooling": "bound", "sink_blocks": 1, "local_blocks": 1, "dense_tail": 64}),
+        (64, 4, 0, {"pooling": "bound", "sink_blocks": 1, "local_blocks": 1, "dense_tail": 128}),
     ]:
-        name = f"b{bs}-k{k}-f{full}" + "".join(f"-{key.split('_')[0]}{v}" for key, v in extra.items())
+        name = f"b{bs}-k{k}-f{full}" + "".join(f"-{_SHORT.get(key, key.split('_')[0])}{v}" for key, v in extra.items())
         grid[name] = MobaConfig(block_size=bs, top_k=k, full_attn_layers=full, **extra)
     return grid
 

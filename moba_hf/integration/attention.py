@@ -221,4 +221,4 @@ def _attend(
         return causal_attention_unchecked(q, k, v, scale)
     backend = functools.partial(resolve_backend, config.backend, q, needs_grad=needs_grad(q, k, v))
     sparsity.record_attention(layer, q, k.shape[2], backend, config)
-    return moba_attention(q, k, v, scale=scale, backend=config.backend, **config.kernel_kwargs())
+    return moba_attention(q, k, v, scale=scale, backend=config.backend, **config.prefill_kwargs(q.shape[2]))

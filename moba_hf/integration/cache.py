@@ -325,6 +325,7 @@ def cached_step(
         setattr(cache, _CHECKED_ATTR, (checked or frozenset()) | {layer})
     nq, nk = query.shape[2], key.shape[2]
     decode = config.decode == "moba" and nq < nk and nq <= DECODE_MAX_QUERIES and layer is not None
+    decode = decode and not config.tail_queries(nq)  # a dense tail runs on the prefill path
     crossover = 0  # measured only for decode steps: prefill and dense calls never pay for it
     if decode:
         crossover = _step_crossover(cache, query, key, config)

@@ -133,7 +133,7 @@ class DcaRun:
         """q, k remapped by `remap_fresh` ([B, Hq, Nq, D], [B, Hkv, Nk, D]); config: the MobaConfig."""
         p = self.params
         nk = k.shape[2]
-        moba = {} if dense else config.kernel_kwargs()
+        moba = {} if dense else config.prefill_kwargs(q.shape[2])
         # DCA's gate mixes query variants, but the rule (and so the count) is MoBA's
         sparsity.record_attention(layer, q, nk, "dca" if dense else "dca+moba", None if dense else config)
         return dca_attention(

@@ -96,7 +96,7 @@ def record_attention(
     if moba is not None:
         attended = rule_pairs(
             b * hq, nq, num_keys, block_size=moba.block_size, top_k=moba.top_k, sink_blocks=moba.sink_blocks,
-            local_blocks=moba.local_blocks,
+            local_blocks=moba.local_blocks, dense_tail=moba.tail_queries(nq),
         )  # fmt: skip
     record(layer, attended, causal, backend if isinstance(backend, str) else backend())
 
@@ -128,12 +128,14 @@ def rule_pairs(
     top_k: int,
     sink_blocks: int = 0,
     local_blocks: int = 0,
+    dense_tail: int = 0,
 ) -> int:
     """Pairs MoBA attends, counted from the selection rule alone (equals `attended_pairs` of the real selection).
 
     The rule always takes the query's own block (causally), the forced sink / local blocks before it and the
     top_k - 1 best of the remaining earlier blocks, or all of them when fewer remain; earlier blocks are whole. So
-    the count never depends on the gate scores, and tracking need not score the blocks a second time.
+    the count never depends on the gate scores, and tracking need not score the blocks a second time. The last
+    `dense_tail` queries attend every key up to themselves.
     """
     p = torch.arange(kv_length - q_length, kv_length)
     current = p // block_size
@@ -143,4 +145,8 @@ def rule_pairs(
     forced = sink + local - overlap
     picks = (current - forced).clamp(min=0, max=max(top_k - 1, 0))
     own = p - current * block_size + 1
-    return heads * int((own + block_size * (forced + picks)).sum())
+    attended = own + block_size * (forced + picks)
+    tail = min(dense_tail, q_length)
+    if tail:
+        attended[q_length - tail :] = p[q_length - tail :] + 1
+    return heads * int(attended.sum())

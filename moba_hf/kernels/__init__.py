@@ -18,6 +18,7 @@ import torch
 from .common import (
     GateOptions,
     causal_attention,
+    causal_attention_unchecked,
     check_inputs,
     check_moba_args,
     cuda_or_triton_interpreter,
@@ -25,6 +26,7 @@ from .common import (
     gate_scores,
     needs_grad,
     selected_blocks,
+    with_dense_tail,
 )
 from .reference import moba_attention_reference
 
@@ -170,6 +172,7 @@ def moba_attention(
     pooling: str = "mean",
     sink_blocks: int = 0,
     local_blocks: int = 0,
+    dense_tail: int = 0,
 ) -> torch.Tensor:
     """Mixture of Block Attention.
 
@@ -180,21 +183,31 @@ def moba_attention(
     `top_k - 1` earlier blocks with the highest gate score q . pool(K_block) (top_k counts the own block;
     top_k = 1 means own block only; top_k >= number of blocks means plain causal attention).
     `scale` defaults to head_dim ** -0.5 (else a finite number > 0); q, k, v: floating point, one dtype, one device.
-    `pooling`, `sink_blocks`, `local_blocks`: see `MobaConfig`.
+    `pooling`, `sink_blocks`, `local_blocks`: see `MobaConfig`. The last `dense_tail` queries (all of them when
+    Nq <= dense_tail) attend every earlier key, as `causal_attention`.
     """
     check_inputs(q, k, v, scale)
     name = resolve_backend(backend, q, needs_grad=needs_grad(q, k, v))
     logger.debug("moba_attention: backend=%s q=%s k=%s", name, tuple(q.shape), tuple(k.shape))
-    return _loaded[name](
-        q,
-        k,
-        v,
+    options = dict(
         block_size=block_size,
         top_k=top_k,
         scale=scale,
         pooling=pooling,
         sink_blocks=sink_blocks,
         local_blocks=local_blocks,
+    )
+    if not dense_tail:
+        return _loaded[name](q, k, v, **options)
+    check_moba_args(q, k, v, block_size=block_size, top_k=top_k)
+    GateOptions(pooling, sink_blocks, local_blocks)  # checked before a tail-only call skips the gate
+    return with_dense_tail(
+        q,
+        k,
+        v,
+        dense_tail,
+        lambda q_, k_, v_: _loaded[name](q_, k_, v_, **options),
+        lambda q_, k_, v_: causal_attention_unchecked(q_, k_, v_, scale),
     )
 
 

@@ -27,7 +27,7 @@ _MAX_PASS_PICKS = 2  # up to this many gated picks per query, repeated max passe
 POOLINGS = ("mean", "max", "mean+max", "bound")
 
 
-def _check_count(name: str, value: object, low: int) -> None:
+def check_count(name: str, value: object, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
@@ -46,8 +46,8 @@ class GateOptions:
     local_blocks: int = 0
 
     def __post_init__(self) -> None:
-        _check_count("sink_blocks", self.sink_blocks, 0)
-        _check_count("local_blocks", self.local_blocks, 0)
+        check_count("sink_blocks", self.sink_blocks, 0)
+        check_count("local_blocks", self.local_blocks, 0)
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
 
@@ -66,8 +66,8 @@ DEFAULT_GATE = GateOptions()  # the paper's gate: mean pooling, no forced blocks
 def check_moba_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: int, top_k: int) -> None:
     """Raise ValueError naming the parameter, its value and the valid range for any bad argument (the gate's
     options are checked by `GateOptions`)."""
-    _check_count("block_size", block_size, 1)
-    _check_count("top_k", top_k, 1)
+    check_count("block_size", block_size, 1)
+    check_count("top_k", top_k, 1)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
@@ -350,6 +350,28 @@ def causal_attention_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     q_pos = torch.arange(nk - nq, nk, device=q.device)
     mask = q_pos[:, None] >= torch.arange(nk, device=q.device)[None, :]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def with_dense_tail(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dense_tail: int,
+    sparse: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    dense: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Attention whose last `dense_tail` queries attend densely: `sparse` for the queries before them (over the keys
+    up to the last of those queries, all they can see), `dense` for the tail; both take and return [B, H, N, D]
+    tensors with the queries at the last positions of the keys."""
+    check_count("dense_tail", dense_tail, 0)
+    nq, nk = q.shape[2], k.shape[2]
+    tail = min(dense_tail, nq)
+    if tail == 0:
+        return sparse(q, k, v)
+    if tail == nq:
+        return dense(q, k, v)
+    head = sparse(q[:, :, : nq - tail], k[:, :, : nk - tail], v[:, :, : nk - tail])
+    return torch.cat([head, dense(q[:, :, nq - tail :], k, v)], dim=2)
 
 
 # --- NaN / inf inputs ---------------------------------------------------------------------------------------------

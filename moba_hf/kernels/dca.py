@@ -24,6 +24,7 @@ from .common import (
     GateOptions,
     all_finite,
     causal_attention,
+    check_count,
     check_inputs,
     check_moba_args,
     choose_blocks,
@@ -32,6 +33,7 @@ from .common import (
     has_nonfinite,
     num_blocks,
     propagate_nonfinite,
+    with_dense_tail,
 )
 from .dca_positions import INTER, query_positions, region
 from .dense import attention_with_lse, fused_available, merge_lse_, merge_partials, partial_attention
@@ -122,15 +124,29 @@ def dca_attention(
     pooling: str = "mean",
     sink_blocks: int = 0,
     local_blocks: int = 0,
+    dense_tail: int = 0,
 ) -> torch.Tensor:
     """Dual Chunk Attention; with `block_size`, composed with MoBA.
 
     q: [B, Hq, Nq, D] rotated at (i mod chunk_size); k, v: [B, Hkv, Nk, D], k rotated at (j mod chunk_size);
     the queries are the last Nq of the Nk positions. inv_freq: [D / 2], the model's RoPE inverse frequencies.
     temperature multiplies the logits (1.0 = off). block_size None: dense causal DCA; otherwise MoBA
-    (top_k, pooling, sink_blocks, local_blocks as in `moba_attention`) with block_size dividing chunk_size.
-    Returns [B, Hq, Nq, D] in q's dtype.
+    (top_k, pooling, sink_blocks, local_blocks, dense_tail as in `moba_attention`; the tail runs dense DCA) with
+    block_size dividing chunk_size. Returns [B, Hq, Nq, D] in q's dtype.
     """
+    check_count("dense_tail", dense_tail, 0)
+    if dense_tail and block_size is not None:
+        moba = dict(block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks,
+                    local_blocks=local_blocks)  # fmt: skip
+        dca = dict(pretraining_length=pretraining_length, chunk_size=chunk_size, inv_freq=inv_freq, scale=scale,
+                   temperature=temperature)  # fmt: skip
+        check_inputs(q, k, v, scale)
+        check_moba_args(q, k, v, block_size=block_size, top_k=top_k)
+        GateOptions(pooling, sink_blocks, local_blocks)
+        return with_dense_tail(
+            q, k, v, dense_tail, lambda q_, k_, v_: dca_attention(q_, k_, v_, **dca, **moba),
+            lambda q_, k_, v_: dca_attention(q_, k_, v_, **dca),
+        )  # fmt: skip
     check_inputs(q, k, v, scale)
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 < temperature < math.inf:
         raise ValueError(f"temperature must be a finite number > 0 (1.0 = off), got {temperature!r}")

@@ -228,7 +228,7 @@ def moba_paged(
         k, v = k.unsqueeze(0).to(q.dtype), v.unsqueeze(0).to(q.dtype)
         if dca is not None and length > dca.params.chunk_size:  # within one chunk DCA changes nothing
             p = dca.params
-            moba = {} if dense_here else config.kernel_kwargs()
+            moba = {} if dense_here else config.prefill_kwargs(nq)
             out = dca_attention(
                 q, k, v, pretraining_length=p.pretraining_length, chunk_size=p.chunk_size, inv_freq=dca.inv_freq,
                 scale=scale, temperature=p.temperature_factor(length), **moba,
@@ -236,5 +236,5 @@ def moba_paged(
         elif dense_here:
             out = causal_attention(q, k, v, scale=scale)
         else:
-            out = moba_attention(q, k, v, scale=scale, backend=config.backend, **config.kernel_kwargs())
+            out = moba_attention(q, k, v, scale=scale, backend=config.backend, **config.prefill_kwargs(nq))
         output[start:end] = out[0].transpose(0, 1).to(output.dtype)
