@@ -4,12 +4,14 @@
     python benchmarks/bench_model.py --tokens 4096 --repeats 2
     python benchmarks/bench_model.py --tokens 8000 --config training-free --repeats 3
     python benchmarks/bench_model.py --dtype bfloat16    # SmolLM2's published dtype
+    python benchmarks/bench_model.py --tokens 32768 --config dca-moba --baseline dense   # vs dense DCA
 
 First checks that MoBA with every block selected gives the "sdpa" logits (a short prompt; in bfloat16 by
 flash-attention's rule: error vs the float32 "sdpa" logits at most 2x that of bfloat16 "sdpa"), then times one
 prefill forward (`use_cache=False`, only the last position's logits) per setting and repeat, after a short
-warm-up of each, alternating the settings. Ratio = SDPA time / MoBA time. A CSV row per setting carries torch
-version, threads and settings.
+warm-up of each, alternating the settings. Ratio = baseline time / MoBA time. The baseline is "sdpa", or with
+`--baseline dense` the same config with `sparse = false` (dense DCA for a config with DCA: what MoBA saves on top
+of DCA). A CSV row per setting carries torch version, threads and settings.
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ def main() -> None:
     p.add_argument("--backend", default="torch")
     p.add_argument("--config", default=None, help="MoBA preset or config file (replaces --block-size / --top-k)")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument(
+        "--baseline", choices=["sdpa", "dense"], default="sdpa",
+        help="sdpa, or dense: the config with sparse = false (dense DCA when it has DCA)",
+    )  # fmt: skip
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="model weights and activations")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--csv", default="benchmarks/results_model.csv")
@@ -83,11 +89,13 @@ def main() -> None:
         raise SystemExit("MoBA does not reproduce dense attention; not timing")
 
     # warm both settings up, then alternate them so each sees the same machine load
-    times: dict[str, list[float]] = {"sdpa": [], "moba": []}
+    times: dict[str, list[float]] = {"sdpa": [], "moba": []}  # "sdpa": the baseline
 
     def switch(setting: str) -> None:
         if setting == "moba":
             apply(model, moba)
+        elif args.baseline == "dense":
+            apply(model, moba.replace(sparse=False))
         else:
             revert(model)
 
@@ -98,7 +106,8 @@ def main() -> None:
         for setting in ("sdpa", "moba"):
             switch(setting)
             times[setting].append(prefill(model, ids))
-            print(f"{setting} prefill {args.tokens} tokens: {times[setting][-1]:.1f} s", flush=True)
+            name = args.baseline if setting == "sdpa" else setting
+            print(f"{name} prefill {args.tokens} tokens: {times[setting][-1]:.1f} s", flush=True)
     revert(model)
 
     row = {
@@ -110,6 +119,7 @@ def main() -> None:
         "top_k": moba.top_k,
         "backend": args.backend,
         "repeats": args.repeats,
+        "baseline": args.baseline,
         "sdpa_min_s": round(min(times["sdpa"]), 2),
         "sdpa_median_s": round(statistics.median(times["sdpa"]), 2),
         "moba_min_s": round(min(times["moba"]), 2),
@@ -121,7 +131,7 @@ def main() -> None:
     append_rows(path, [row])
     print(row)
     print(
-        f"prefill {args.tokens} tokens: sdpa {row['sdpa_min_s']:.1f} s, moba {row['moba_min_s']:.1f} s, "
+        f"prefill {args.tokens} tokens: {args.baseline} {row['sdpa_min_s']:.1f} s, moba {row['moba_min_s']:.1f} s, "
         f"ratio {row['ratio_min']:.2f}x  (CSV: {path})"
     )
 

@@ -39,6 +39,23 @@ def test_bench_model_verifies_bfloat16_then_writes_a_row(tmp_path):
     assert float(row["sdpa_min_s"]) > 0 and float(row["moba_min_s"]) > 0
 
 
+@pytest.mark.slow
+def test_bench_model_against_dense_dca(tmp_path):
+    # c = 64, s = 56: a 160-token prefill spans three DCA chunks, the baseline the same DCA with sparse = false
+    config = tmp_path / "dca.toml"
+    config.write_text("[moba]\nblock_size = 8\ntop_k = 2\ndense_tail = 16\n\n[moba.dca]\npretraining_length = 64\n")
+    out = tmp_path / "model.csv"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_model.py"), "--tokens", "160", "--config", str(config)]
+    cmd += ["--baseline", "dense", "--csv", str(out), "--threads", "1"]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "dense prefill 160 tokens" in res.stdout
+    (row,) = list(csv.DictReader(out.open()))
+    assert row["baseline"] == "dense" and '"dense_tail": 16' in row["moba_config"]
+    assert '"pretraining_length": 64' in row["moba_config"]
+    assert float(row["sdpa_min_s"]) > 0 and float(row["moba_min_s"]) > 0
+
+
 def test_bench_decode_op_checks_then_reports_the_step_it_takes(tmp_path):
     # crossover fixed at 3 blocks of 64: a 128-key cache takes the dense step, a 256-key one the sparse kernel
     out = tmp_path / "decode.csv"

@@ -251,9 +251,11 @@ def test_shipped_presets_load():
     dense = MobaConfig.preset("dca-dense")
     sparse = MobaConfig.preset("dca-moba")
     assert not dense.sparse and dense.dca == DcaConfig()
-    assert sparse.sparse and sparse.dca == DcaConfig()
+    assert sparse.sparse and sparse.dca == DcaConfig(pretraining_length=4096, temperature=True)
+    assert sparse.dense_tail > 0 and sparse.pooling == "bound"
     model_config = LlamaConfig(**{**TINY, "max_position_embeddings": 8192})
-    assert resolve(sparse.dca, model_config, sparse.block_size) == DcaParams(8192, 7168)
+    assert resolve(dense.dca, model_config) == DcaParams(8192, 7168)
+    assert resolve(sparse.dca, model_config, sparse.block_size) == DcaParams(4096, 3584, temperature=True)
 
 
 def test_bfloat16_padded_batch_runs_close_to_float64():

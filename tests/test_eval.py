@@ -309,6 +309,19 @@ def test_result_store_refuses_a_changed_setting(tmp_path):
         again.add_setting(parse_setting("x=moba:top_k=3"))
 
 
+def test_result_store_reads_a_setting_written_before_a_field_existed(tmp_path):
+    store = ResultStore(tmp_path, "passkey", {"a": 1}, {"name": "m"})
+    store.add_setting(parse_setting("x=moba:top_k=2,dense_tail=0"))
+    store.write([], "")
+    run = json.loads((tmp_path / RUN_FILE).read_text())
+    del run["settings"]["x"]["moba"]["dense_tail"]  # as an older version wrote it
+    (tmp_path / RUN_FILE).write_text(json.dumps(run))
+    again = ResultStore(tmp_path, "passkey", {"a": 1}, {"name": "m"})
+    again.add_setting(parse_setting("x=moba:top_k=2"))  # the default of the missing field: the same setting
+    with pytest.raises(RunMismatch, match="has moba.dense_tail=0, this run defines it with moba.dense_tail=8"):
+        again.add_setting(parse_setting("x=moba:top_k=2,dense_tail=8"))
+
+
 def _interrupt_after(monkeypatch, n: int) -> None:
     """Ctrl-C in the middle of a run: the (n + 1)-th decode raises KeyboardInterrupt."""
     import moba_hf.eval.passkey as passkey

@@ -270,6 +270,11 @@ class ResultStore:
     def add_setting(self, setting: Setting) -> None:
         described = _jsonable(setting.describe())
         old = self.settings.get(setting.name)
+        if old is not None and isinstance(old.get("moba"), dict):
+            try:  # written before a MobaConfig field existed: the field's default is what that run used
+                old = {**old, "moba": _jsonable(MobaConfig.from_dict(old["moba"]).to_dict())}
+            except ValueError:
+                pass  # a field this version does not know: the comparison below names it
         if old is not None:
             found = _diff(old, described)
             if found:
