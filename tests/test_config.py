@@ -197,9 +197,7 @@ def test_theoretical_sparsity_counts_pairs_exactly():
 
 def test_training_free_preset_is_the_swept_setting():
     preset = MobaConfig.preset("training-free")
-    assert preset == MobaConfig(
-        block_size=64, top_k=12, full_attn_layers=3, pooling="bound", sink_blocks=1, local_blocks=1
-    )
+    assert preset == MobaConfig(block_size=64, top_k=7, pooling="bound", sink_blocks=1, local_blocks=1, dense_tail=64)
     from moba_hf.eval.sweep import DEFAULT_GRID
 
     assert preset in {cfg for _, cfg in DEFAULT_GRID}

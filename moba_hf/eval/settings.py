@@ -67,6 +67,7 @@ def _sweep_grid() -> dict[str, MobaConfig]:
         (64, 12, 3, {"pooling": "bound", "sink_blocks": 1, "local_blocks": 1, "dense_tail": 64}),
         (64, 6, 2, {"pooling": "bound", "sink_blocks": 1, "local_blocks": 1, "dense_tail": 64}),
         (64, 6, 0, {"pooling": "bound", "sink_blocks": 1, "local_blocks": 1, "dense_tail": 64}),
+        (64, 7, 0, {"pooling": "bound", "sink_blocks": 1, "local_blocks": 1, "dense_tail": 64}),
         (64, 4, 0, {"pooling": "bound", "sink_blocks": 1, "local_blocks": 1, "dense_tail": 128}),
     ]:
         name = f"b{bs}-k{k}-f{full}" + "".join(f"-{_SHORT.get(key, key.split('_')[0])}{v}" for key, v in extra.items())

@@ -234,7 +234,8 @@ _MARKERS = ("o", "s", "^", "D", "v", "P")
 
 def pareto_plot(rows: Sequence[SweepRow], length: int, path: str | Path) -> Path | None:
     """Accuracy against measured sparsity at `length`: one marker per family, the worst family as a black
-    cross, the worst-family Pareto front in red (None without matplotlib)."""
+    cross, the worst-family Pareto front in red; beside it, when the run scored a text, perplexity against the
+    same sparsity (None without matplotlib)."""
     plt = _pyplot()
     if plt is None:
         return None
@@ -242,18 +243,25 @@ def pareto_plot(rows: Sequence[SweepRow], length: int, path: str | Path) -> Path
     ok = [r for r in rows if r.error is None and length in r.worst and length in r.sparsity]
     front = sorted((r for r in ok if r.name in pareto_front(ok, length)), key=lambda r: r.sparsity[length])
     families = list(dict.fromkeys(f for r in ok for f in r.accuracy))
-    fig, ax = plt.subplots(figsize=(8, 5))
+    scored = [r for r in ok if r.ppl]
+    if scored:
+        fig, (ax, ppl_ax) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
+        ppl_ax.scatter([r.sparsity[length] for r in scored], [r.ppl for r in scored], color="black")
+        _label_points(ppl_ax, [(r.name, r.sparsity[length], r.ppl) for r in scored])
+        ppl_ax.set_xlabel(f"measured sparsity at {length} tokens")
+        ppl_ax.set_ylabel("perplexity of the text window (lower is better)")
+        ppl_ax.grid(alpha=0.3)
+    else:
+        fig, ax = plt.subplots(figsize=(8, 5))
     for family, marker in zip(families, _MARKERS * 2, strict=False):
         mine = [r for r in ok if length in r.accuracy.get(family, {})]
         ax.scatter([r.sparsity[length] for r in mine], [r.accuracy[family][length] for r in mine], marker=marker,
                    alpha=0.6, label=family)  # fmt: skip
     ax.scatter([r.sparsity[length] for r in ok], [r.worst[length] for r in ok], marker="x", color="black",
                label="worst family")  # fmt: skip
-    for r in ok:
-        point = (r.sparsity[length], r.worst[length])
-        ax.annotate(r.name, point, fontsize=7, xytext=(3, 3), textcoords="offset points")
-    ax.plot([r.sparsity[length] for r in front], [r.worst[length] for r in front], color="tab:red",
-            label="Pareto front (worst family)")  # fmt: skip
+    _label_points(ax, [(r.name, r.sparsity[length], r.worst[length]) for r in ok])
+    ax.plot([r.sparsity[length] for r in front], [r.worst[length] for r in front], color="tab:red", marker="o",
+            markerfacecolor="none", markersize=11, label="Pareto front (worst family)")  # fmt: skip
     ax.set_xlabel(f"measured sparsity at {length} tokens (fraction of causal pairs skipped, all layers)")
     ax.set_ylabel(f"retrieval accuracy at {length} tokens")
     ax.set_ylim(-0.05, 1.05)
@@ -263,6 +271,17 @@ def pareto_plot(rows: Sequence[SweepRow], length: int, path: str | Path) -> Path
     save_figure(fig, path)
     plt.close(fig)
     return Path(path)
+
+
+def _label_points(ax: Any, points: Sequence[tuple[str, float, float]]) -> None:
+    """Name each (name, x, y) point; labels of points close to an already labelled one stack upwards."""
+    x_span = max((p[1] for p in points), default=1) - min((p[1] for p in points), default=0) or 1
+    y_span = max((p[2] for p in points), default=1) - min((p[2] for p in points), default=0) or 1
+    placed: list[tuple[float, float]] = []
+    for name, x, y in points:
+        near = sum(abs(x - px) < 0.15 * x_span and abs(y - py) < 0.05 * y_span for px, py in placed)
+        ax.annotate(name, (x, y), fontsize=7, xytext=(3, 3 + 9 * near), textcoords="offset points")
+        placed.append((x, y))
 
 
 def default_text(tokenizer: Any, length: int) -> torch.Tensor:
