@@ -14,6 +14,7 @@ selected blocks enter each part.
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 
@@ -32,10 +33,11 @@ from .common import (
     gate_scores,
     has_nonfinite,
     num_blocks,
+    pooled_keys,
     propagate_nonfinite,
     with_dense_tail,
 )
-from .dca_positions import INTER, query_positions, region
+from .dca_positions import INTER, INTRA, SUCCESSIVE, query_positions
 from .dense import attention_with_lse, fused_available, merge_lse_, merge_partials, partial_attention
 from .rope import rotate
 from .torch_impl import attention_with_query_variants
@@ -70,6 +72,9 @@ def query_variants(
     return variants
 
 
+_SCORE_ELEMENTS = 1 << 24  # gate scores held at once while selecting (rows x blocks x batch x heads)
+
+
 def dca_selected_blocks(
     variants: list[torch.Tensor],
     k: torch.Tensor,
@@ -83,30 +88,41 @@ def dca_selected_blocks(
 
     Same rule as `kernels.selected_blocks` (own block, forced sink / local blocks, then the top_k - 1
     best earlier blocks), but block b's gate score is q_variant . pool(K_b) with the variant of b's region.
+    Queries go in slices within one chunk, so each region's blocks are scored once, with its own variant, and
+    only up to the slice's last block.
     """
-    nq, nk = variants[0].shape[2], k.shape[2]
+    b, hq, nq = variants[0].shape[:3]
+    nk = k.shape[2]
     nb = num_blocks(nk, block_size)
-    device = k.device
-
-    def scores() -> torch.Tensor:
-        # block b's score uses the query variant of b's region (own / previous / older chunk)
-        which = region(q_index[:, None], torch.arange(nb, device=device)[None, :] * block_size, chunk_size)
-        which = which.clamp(max=len(variants) - 1)  # regions without a variant hold no earlier block
-        # [V, B, Hq, Nq, nb]
-        per_variant = torch.stack([gate_scores(qv, k, block_size, gate.pooling) for qv in variants])
-        return per_variant.gather(0, which.expand_as(per_variant[:1]))[0]
-
+    first = nk - nq  # position of query 0
+    per_chunk = chunk_size // block_size
+    selected = torch.zeros(b, hq, nq, nb, dtype=torch.bool, device=k.device)
     with torch.no_grad():
-        q_index = torch.arange(nk - nq, nk, device=device)
-        return choose_blocks(
-            q_index // block_size,
-            nb,
-            scores,
-            batch_heads=(variants[0].shape[0], variants[0].shape[1]),
-            top_k=top_k,
-            gate=gate,
-            first_block=(nk - nq) // block_size,
-        )
+        pooled = pooled_keys(k, block_size, gate.pooling) if top_k > 1 else None
+        current = torch.arange(first, nk, device=k.device) // block_size
+        rows = max(1, _SCORE_ELEMENTS // max(1, b * hq * nb))
+        a = 0
+        while a < nq:
+            chunk = (first + a) // chunk_size
+            end = min(nq, a + rows, (chunk + 1) * chunk_size - first)  # a slice never crosses a chunk boundary
+            seen = (first + end - 1) // block_size + 1  # later blocks are never chosen
+
+            def scores(a: int = a, end: int = end, chunk: int = chunk, seen: int = seen) -> torch.Tensor:
+                # older chunks, the previous chunk, the own chunk: each with its region's query variant
+                cuts = [0, max(chunk - 1, 0) * per_chunk, chunk * per_chunk, seen]
+                parts = []
+                for which, (lo, hi) in zip((INTER, SUCCESSIVE, INTRA), itertools.pairwise(cuts), strict=True):
+                    if hi > lo:
+                        qv = variants[min(which, len(variants) - 1)][:, :, a:end]
+                        parts.append(gate_scores(qv, k, block_size, gate.pooling, pooled[:, :, lo:hi]))
+                return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+
+            selected[:, :, a:end, :seen] = choose_blocks(
+                current[a:end], seen, scores, batch_heads=(b, hq), top_k=top_k, gate=gate,
+                first_block=(first + a) // block_size,
+            )  # fmt: skip
+            a = end
+    return selected
 
 
 def dca_attention(
