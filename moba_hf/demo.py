@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         "\nprefill = median wall time of the first forward pass, sdpa and MoBA alternating on the same prompts "
         "after one untimed warm-up each; sparsity = mean fraction of causal query-key pairs MoBA skipped (all "
-        "layers). Stock checkpoints are not trained for MoBA: see README, 'Training-free MoBA'."
+        "layers). Stock checkpoints are not trained for MoBA: see README, 'Presets'."
     )
     return 0
 
