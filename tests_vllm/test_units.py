@@ -323,7 +323,8 @@ def test_no_moba_config_leaves_vllm_alone(monkeypatch):
 def test_sources_and_precedence(monkeypatch):
     monkeypatch.setenv(settings.ENV, "training-free")
     config, dense, dca = backend._setup(vllm_config())
-    assert config == MobaConfig.preset("training-free") and dense == {27, 28, 29} and dca is None
+    preset = MobaConfig.preset("training-free")
+    assert config == preset and dense == preset.full_layer_set(30) and dca is None
     config, dense, _ = backend._setup(vllm_config(hf_overrides={"moba_config": {"block_size": 256, "top_k": 2}}))
     assert config == MobaConfig(block_size=256, top_k=2) and dense == frozenset()
 
