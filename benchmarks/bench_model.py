@@ -7,7 +7,9 @@
     python benchmarks/bench_model.py --tokens 32768 --config dca-moba --baseline dense   # vs dense DCA
 
 First checks that MoBA with every block selected gives the "sdpa" logits (a short prompt; in bfloat16 by
-flash-attention's rule: error vs the float32 "sdpa" logits at most 2x that of bfloat16 "sdpa"), then times one
+flash-attention's rule: error vs the float32 "sdpa" logits at most 2x that of bfloat16 "sdpa"), and for a config
+with DCA and `--baseline dense` that each layer's DCA + MoBA attention gives dense DCA's on a prompt spanning three
+DCA chunks (same rule, against float64 dense DCA); then times one
 prefill forward (`use_cache=False`, only the last position's logits) per setting and repeat, after a short
 warm-up of each, alternating the settings. Ratio = baseline time / MoBA time. The baseline is "sdpa", or with
 `--baseline dense` the same config with `sparse = false` (dense DCA for a config with DCA: what MoBA saves on top
@@ -33,6 +35,7 @@ from bench_attention import append_rows  # noqa: E402
 
 from moba_hf import MobaConfig  # noqa: E402
 from moba_hf.integration import apply, revert  # noqa: E402
+from moba_hf.integration import dca as dca_hf  # noqa: E402
 from moba_hf.models import load  # noqa: E402
 
 
@@ -41,6 +44,43 @@ def prefill(model, ids: torch.Tensor) -> float:
     with torch.inference_mode():
         model(ids, use_cache=False, logits_to_keep=1)
     return time.perf_counter() - start
+
+
+def verify_dca(model, moba: MobaConfig, chunk_size: int, vocab: int) -> None:
+    """DCA + MoBA with every block selected and no dense tail gives dense DCA's attention, layer by layer on the
+    model's own queries, keys and values, on a prompt reaching into a third DCA chunk (so the intra, successive and
+    inter query variants all run). By flash-attention's rule: each layer's error against float64 dense DCA at
+    most 2x that of dense DCA in the same dtype (plus 1e-6). Layer by layer, because SmolLM2's layers amplify
+    rounding: at 1920 tokens (c = 1024) in float64, attention outputs equal to 1e-14 in every layer gave logits
+    1e-5 apart, so a logit comparison measures the model's gain rather than the kernel's error."""
+    n = 2 * chunk_size + 2 * moba.block_size
+    ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(1))
+    errors = []
+    timed = dca_hf.dca_attention
+
+    def checked(q, k, v, **kwargs):
+        out = timed(q, k, v, **kwargs)
+        dense = {key: kwargs[key] for key in ("pretraining_length", "chunk_size", "inv_freq", "scale", "temperature")}
+        exact = timed(q.double(), k.double(), v.double(), **dense)
+        same_dtype = timed(q, k, v, **dense)
+        errors.append(((out.double() - exact).abs().max().item(), (same_dtype.double() - exact).abs().max().item()))
+        return out
+
+    dca_hf.dca_attention = checked
+    try:
+        with torch.inference_mode():
+            apply(model, moba.replace(top_k=n // moba.block_size + 1, dense_tail=0))
+            model(ids, use_cache=False, logits_to_keep=1)
+    finally:
+        dca_hf.dca_attention = timed
+        revert(model)
+    worst = max(range(len(errors)), key=lambda i: errors[i][0] / (2 * errors[i][1] + 1e-6))
+    print(
+        f"verify: DCA + MoBA with all blocks selected at {n} tokens, {len(errors)} layers: worst layer {worst} max "
+        f"|diff| vs float64 dense DCA {errors[worst][0]:.2e} (dense DCA in the same dtype: {errors[worst][1]:.2e})"
+    )
+    if not errors or any(err > 2 * dense_err + 1e-6 for err, dense_err in errors):
+        raise SystemExit("DCA + MoBA does not reproduce dense DCA; not timing")
 
 
 def main() -> None:
@@ -87,6 +127,9 @@ def main() -> None:
     )
     if err > 2 * dense_err + 1e-3:
         raise SystemExit("MoBA does not reproduce dense attention; not timing")
+    dca = dca_hf.resolve(moba.dca, model.config, moba.block_size)
+    if dca is not None and args.baseline == "dense":
+        verify_dca(model, moba, dca.chunk_size, vocab)
 
     # warm both settings up, then alternate them so each sees the same machine load
     times: dict[str, list[float]] = {"sdpa": [], "moba": []}  # "sdpa": the baseline

@@ -50,6 +50,7 @@ def test_bench_model_against_dense_dca(tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "dense prefill 160 tokens" in res.stdout
+    assert "DCA + MoBA with all blocks selected at 128 tokens, 30 layers: worst layer" in res.stdout
     (row,) = list(csv.DictReader(out.open()))
     assert row["baseline"] == "dense" and '"dense_tail": 16' in row["moba_config"]
     assert '"pretraining_length": 64' in row["moba_config"]

@@ -197,7 +197,10 @@ def test_theoretical_sparsity_counts_pairs_exactly():
 
 def test_training_free_preset_is_the_swept_setting():
     preset = MobaConfig.preset("training-free")
-    assert preset == MobaConfig(block_size=64, top_k=7, pooling="bound", sink_blocks=1, local_blocks=1, dense_tail=64)
+    assert preset == MobaConfig(
+        block_size=64, top_k=5, full_attn_layer_ids=(0, 1), pooling="bound", sink_blocks=1, local_blocks=1,
+        dense_tail=64,
+    )  # fmt: skip
     from moba_hf.eval.sweep import DEFAULT_GRID
 
     assert preset in {cfg for _, cfg in DEFAULT_GRID}

@@ -230,23 +230,27 @@ MOBA_CASES = [
 
 
 @pytest.mark.parametrize(
-    ("group_rows", "own_tile", "score_elements"),
-    [(1 << 40, 128, 1 << 24), (0, 2, 1 << 24), (1 << 40, 128, 1)],
-    ids=["chunked", "grouped-tiled", "one-row-gate-slices"],
+    ("group_rows", "own_tile", "score_elements", "parts"),
+    [(1 << 40, 128, 1 << 24, 1), (0, 2, 1 << 24, 1), (1 << 40, 128, 1, 1), (0, 2, 40, 3)],
+    ids=["chunked", "grouped-tiled", "one-row-gate-slices", "three-worker-ranges"],
 )
 @pytest.mark.parametrize("case", MOBA_CASES, ids=lambda c: case_id(c[:8]) + f"-blk{c[8]}-k{c[9]}")
 def test_dca_moba_inference_path_matches_moba_on_remapped_scores(
-    case, group_rows, own_tile, score_elements, monkeypatch
+    case, group_rows, own_tile, score_elements, parts, monkeypatch
 ):
-    # without gradients on CPU, DCA + MoBA runs the torch kernel's gathered blocks with per-region query variants
-    # (grouped-tiled: gated pieces one call per key block, own blocks in causal tiles of 2 rows; one-row gate
-    # slices: the selection scores one query at a time, so slices end inside chunks as well as at their edges)
+    # without gradients on CPU, DCA + MoBA runs the torch kernel's gathered blocks with per-region query variants,
+    # each worker selecting the blocks of its query range (grouped-tiled: gated pieces one call per key block, own
+    # blocks in causal tiles of 2 rows; one-row gate slices: the selection scores one query at a time, so slices
+    # end inside chunks as well as at their edges; three worker ranges: ranges of 5+ queries, cut anywhere)
     from moba_hf.kernels import dca as dca_kernels
     from moba_hf.kernels import torch_impl
 
     monkeypatch.setattr(torch_impl, "_GROUP_ROWS", group_rows)
     monkeypatch.setattr(torch_impl, "_OWN_TILE", own_tile)
     monkeypatch.setattr(dca_kernels, "_SCORE_ELEMENTS", score_elements)
+    monkeypatch.setattr(dca_kernels, "_PART_SCORE_ELEMENTS", score_elements)
+    monkeypatch.setattr(torch_impl, "_PART_ROWS", 5)
+    monkeypatch.setattr(torch_impl, "worker_count", lambda device: parts)
     b, hq, hkv, nq, nk, d, c, s, block, top_k = case
     inv_freq = inv_freq_for(d)
     q_raw = torch.randn(b, hq, nq, d, dtype=torch.float64)

@@ -107,3 +107,8 @@ def test_grid_entries_from_setting_strings():
     with pytest.raises(ValueError, match="compares 'sdpa' with MoBA settings; got attn_implementation 'eager'"):
         sweep.grid_entry("eager")
     assert sweep.grid_entry("b64-k12-f3") == ("b64-k12-f3", MobaConfig(block_size=64, top_k=12, full_attn_layers=3))
+    dense_first = MobaConfig(
+        block_size=64, top_k=5, full_attn_layer_ids=(0, 1), pooling="bound", sink_blocks=1, local_blocks=1,
+        dense_tail=64,
+    )  # fmt: skip
+    assert sweep.grid_entry("b64-k5-f0-dense0+1-poolingbound-sink1-local1-tail64")[1] == dense_first

@@ -4,8 +4,8 @@ Engines (one subprocess each, shared by the tests of this module):
   baseline    vLLM's own CPU attention (plugin not loaded)
   all_blocks  MoBA with top_k covering every block: must be causal attention, token for token
   sparse      block 128 / top 2 / last layer dense, decode "moba", chunked prefill of 320 tokens, prefix cache
-  preset      the training-free preset (block 64, top 12, bound gate, sink 1, local 1, 3 dense) with
-              decode "full", one-shot prefill
+  preset      the shipped training-free preset (its dense tail included) with decode "full", each prompt
+              prefilled in one step (the tail is per prefill call)
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from conftest import (
     start_engine_expecting_refusal,
 )
 
+from moba_hf import MobaConfig
 from moba_hf.vllm import settings
 
 # `vllm serve` started, awaited and stopped as benchmarks/serve_passkey.py does it
@@ -47,10 +48,7 @@ LONG = [prompt_ids(n, seed) for n, seed in ((1100, 4), (2900, 6))]
 CONCURRENT = [*LONG, SHORT[0], SHORT[1]]  # 4 requests of different lengths
 EXTENDED = LONG[0] + prompt_ids(260, 7)  # LONG[0]'s prefix comes from the prefix cache
 SPARSE = {"block_size": 128, "top_k": 2, "full_attn_layers": 1, "decode": "moba"}
-PRESET = {
-    "block_size": 64, "top_k": 12, "full_attn_layers": 3, "pooling": "bound",
-    "sink_blocks": 1, "local_blocks": 1, "decode": "full",
-}  # fmt: skip
+PRESET = {**MobaConfig.preset("training-free").to_dict(), "decode": "full"}
 ALL_BLOCKS = {"block_size": 128, "top_k": 4096 // 128, "decode": "moba"}
 # First-step logprobs. Without a gate (top_k covering every block) flash-attention's rule holds: the plugin's
 # gap to vLLM's own attention is at most twice the gap between two float32 implementations of the same dense
@@ -93,7 +91,8 @@ def sparse():
 
 @pytest.fixture(scope="module")
 def preset():
-    engine = engine_kwargs(hf_overrides={"moba_config": PRESET}, max_num_batched_tokens=4096)
+    # room for all four prompts in one step: a prompt cut into chunks would get a dense tail per chunk
+    engine = engine_kwargs(hf_overrides={"moba_config": PRESET}, max_num_batched_tokens=sum(map(len, CONCURRENT)))
     phases = {"alone": phase(CONCURRENT), "together": phase(CONCURRENT, separately=False)}
     return run_engine({"engine": engine, "phases": phases})
 
@@ -158,7 +157,7 @@ def test_vllm_serve_returns_offline_text(preset, tmp_path):
     """`vllm serve` with MOBA_HF_CONFIG (a server file with the preset engine's settings) answers an
     OpenAI-style completion over HTTP with the offline engine's text."""
     config = tmp_path / "server.toml"
-    config.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in PRESET.items()))
+    config.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in PRESET.items() if v is not None))
     port = serve_passkey.free_port()
     command = [
         sys.executable, "-c", VLLM_CLI, "serve", model_path(), "--host", "127.0.0.1", "--port", str(port),

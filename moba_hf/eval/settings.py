@@ -34,7 +34,14 @@ from ..integration import apply, revert
 MOBA = "moba"
 
 
-_SHORT = {"dense_tail": "tail"}  # grid names: a field's first word, unless that would mislead
+_SHORT = {"dense_tail": "tail", "full_attn_layer_ids": "dense"}  # grid names: a field's first word, unless misleading
+
+
+def _short_value(value: Any) -> str:
+    return "+".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+_TRAINING_FREE_GATE = {"pooling": "bound", "sink_blocks": 1, "local_blocks": 1}
 
 
 def _sweep_grid() -> dict[str, MobaConfig]:
@@ -69,8 +76,12 @@ def _sweep_grid() -> dict[str, MobaConfig]:
         (64, 6, 0, {"pooling": "bound", "sink_blocks": 1, "local_blocks": 1, "dense_tail": 64}),
         (64, 7, 0, {"pooling": "bound", "sink_blocks": 1, "local_blocks": 1, "dense_tail": 64}),
         (64, 4, 0, {"pooling": "bound", "sink_blocks": 1, "local_blocks": 1, "dense_tail": 128}),
+        # the first layers dense: at 8K the errors of sparse early layers reach every later one
+        (64, 5, 0, {"full_attn_layer_ids": (0, 1), **_TRAINING_FREE_GATE, "dense_tail": 64}),
     ]:
-        name = f"b{bs}-k{k}-f{full}" + "".join(f"-{_SHORT.get(key, key.split('_')[0])}{v}" for key, v in extra.items())
+        name = f"b{bs}-k{k}-f{full}" + "".join(
+            f"-{_SHORT.get(key, key.split('_')[0])}{_short_value(v)}" for key, v in extra.items()
+        )
         grid[name] = MobaConfig(block_size=bs, top_k=k, full_attn_layers=full, **extra)
     return grid
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
+from collections.abc import Iterator
 
 import torch
 
@@ -60,23 +61,75 @@ def _check_dca(pretraining_length: int, chunk_size: int, inv_freq: torch.Tensor,
 
 def query_variants(
     q: torch.Tensor, nk: int, pretraining_length: int, chunk_size: int, inv_freq: torch.Tensor, dtype: torch.dtype
-) -> list[torch.Tensor]:
-    """[intra, successive, inter] versions of q (rotated at i mod s), in `dtype`; only those some key needs."""
+) -> torch.Tensor:
+    """The intra, successive and inter versions of q (rotated at i mod s), only those some key needs, stacked in
+    one buffer: [V, B, Hq, Nq, D] in `dtype` (V = 1..3; the block attention gathers rows of all of them)."""
     nq = q.shape[2]
-    q_index = torch.arange(nk - nq, nk, device=q.device)
-    positions = query_positions(q_index, pretraining_length, chunk_size)  # [Nq, 3]
-    variants = [q.to(dtype)]
-    for which in (1, 2):
-        if nk > which * chunk_size:  # some key lies `which` chunks before the last query
-            variants.append(rotate(q, positions[:, which] - positions[:, 0], inv_freq, dtype))
+    count = 1 + sum(nk > which * chunk_size for which in (1, 2))  # some key lies `which` chunks before the last query
+    positions = query_positions(torch.arange(nk - nq, nk, device=q.device), pretraining_length, chunk_size)
+    moves = [positions[:, which] - positions[:, 0] for which in range(1, count)]
+    if torch.is_grad_enabled() and q.requires_grad:
+        return torch.stack([q.to(dtype), *(rotate(q, delta, inv_freq, dtype) for delta in moves)])
+    variants = torch.empty((count, *q.shape), dtype=dtype, device=q.device)
+    variants[0].copy_(q)
+    for which, delta in enumerate(moves, start=1):
+        rotate(q, delta, inv_freq, dtype, out=variants[which])
     return variants
 
 
 _SCORE_ELEMENTS = 1 << 24  # gate scores held at once while selecting (rows x blocks x batch x heads)
+_PART_SCORE_ELEMENTS = 1 << 20  # the same on each CPU worker, beside its block attention
+
+
+def dca_selection_slices(
+    variants: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    chunk_size: int,
+    block_size: int,
+    top_k: int,
+    gate: GateOptions,
+    queries: tuple[int, int] | None = None,
+    slice_elements: int = _SCORE_ELEMENTS,
+    pooled: torch.Tensor | None = None,
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """`dca_selected_blocks` over query slices: yields (index of the slice's first query, selected [B, Hq, n,
+    seen]), seen = blocks up to the slice's last query's (later ones are never chosen). queries: the range
+    [first, end) of the queries to cover (default all); slice_elements bounds the gate scores held at once.
+    A slice never crosses a chunk boundary, so each region's blocks are scored once, with its own variant."""
+    b, hq, nq = variants[0].shape[:3]
+    nk = k.shape[2]
+    first = nk - nq  # position of query 0
+    per_chunk = chunk_size // block_size
+    lo_query, hi_query = queries or (0, nq)
+    if pooled is None and top_k > 1:
+        pooled = pooled_keys(k[:, :, : first + hi_query], block_size, gate.pooling)
+    rows = max(1, slice_elements // max(1, b * hq * num_blocks(first + hi_query, block_size)))
+    a = lo_query
+    while a < hi_query:
+        chunk = (first + a) // chunk_size
+        end = min(hi_query, a + rows, (chunk + 1) * chunk_size - first)  # a slice never crosses a chunk boundary
+        seen = (first + end - 1) // block_size + 1
+
+        def scores(a: int = a, end: int = end, chunk: int = chunk, seen: int = seen) -> torch.Tensor:
+            # older chunks, the previous chunk, the own chunk: each with its region's query variant
+            cuts = [0, max(chunk - 1, 0) * per_chunk, chunk * per_chunk, seen]
+            parts = []
+            for which, (lo, hi) in zip((INTER, SUCCESSIVE, INTRA), itertools.pairwise(cuts), strict=True):
+                if hi > lo:
+                    qv = variants[min(which, len(variants) - 1)][:, :, a:end]
+                    parts.append(gate_scores(qv, k, block_size, gate.pooling, pooled[:, :, lo:hi]))
+            return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+
+        current = torch.arange(first + a, first + end, device=k.device) // block_size
+        yield a, choose_blocks(
+            current, seen, scores, batch_heads=(b, hq), top_k=top_k, gate=gate, first_block=(first + a) // block_size
+        )  # fmt: skip
+        a = end
 
 
 def dca_selected_blocks(
-    variants: list[torch.Tensor],
+    variants: torch.Tensor,
     k: torch.Tensor,
     *,
     chunk_size: int,
@@ -88,40 +141,15 @@ def dca_selected_blocks(
 
     Same rule as `kernels.selected_blocks` (own block, forced sink / local blocks, then the top_k - 1
     best earlier blocks), but block b's gate score is q_variant . pool(K_b) with the variant of b's region.
-    Queries go in slices within one chunk, so each region's blocks are scored once, with its own variant, and
-    only up to the slice's last block.
     """
     b, hq, nq = variants[0].shape[:3]
-    nk = k.shape[2]
-    nb = num_blocks(nk, block_size)
-    first = nk - nq  # position of query 0
-    per_chunk = chunk_size // block_size
-    selected = torch.zeros(b, hq, nq, nb, dtype=torch.bool, device=k.device)
+    selected = torch.zeros(b, hq, nq, num_blocks(k.shape[2], block_size), dtype=torch.bool, device=k.device)
     with torch.no_grad():
-        pooled = pooled_keys(k, block_size, gate.pooling) if top_k > 1 else None
-        current = torch.arange(first, nk, device=k.device) // block_size
-        rows = max(1, _SCORE_ELEMENTS // max(1, b * hq * nb))
-        a = 0
-        while a < nq:
-            chunk = (first + a) // chunk_size
-            end = min(nq, a + rows, (chunk + 1) * chunk_size - first)  # a slice never crosses a chunk boundary
-            seen = (first + end - 1) // block_size + 1  # later blocks are never chosen
-
-            def scores(a: int = a, end: int = end, chunk: int = chunk, seen: int = seen) -> torch.Tensor:
-                # older chunks, the previous chunk, the own chunk: each with its region's query variant
-                cuts = [0, max(chunk - 1, 0) * per_chunk, chunk * per_chunk, seen]
-                parts = []
-                for which, (lo, hi) in zip((INTER, SUCCESSIVE, INTRA), itertools.pairwise(cuts), strict=True):
-                    if hi > lo:
-                        qv = variants[min(which, len(variants) - 1)][:, :, a:end]
-                        parts.append(gate_scores(qv, k, block_size, gate.pooling, pooled[:, :, lo:hi]))
-                return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
-
-            selected[:, :, a:end, :seen] = choose_blocks(
-                current[a:end], seen, scores, batch_heads=(b, hq), top_k=top_k, gate=gate,
-                first_block=(first + a) // block_size,
-            )  # fmt: skip
-            a = end
+        slices = dca_selection_slices(
+            variants, k, chunk_size=chunk_size, block_size=block_size, top_k=top_k, gate=gate
+        )  # fmt: skip
+        for a, chosen in slices:
+            selected[:, :, a : a + chosen.shape[2], : chosen.shape[3]] = chosen
     return selected
 
 
@@ -179,14 +207,16 @@ def dca_attention(
     s, g = chunk_size, hq // hkv
     dtype = gate_dtype(q.dtype)
     variants = query_variants(q, nk, pretraining_length, s, inv_freq, dtype)
-    selected = None
-    if gate is not None:
-        selected = dca_selected_blocks(variants, k, chunk_size=s, block_size=block_size, top_k=top_k, gate=gate)
+    moba = dict(chunk_size=s, block_size=block_size, top_k=top_k, gate=gate)
+
+    def whole_selection() -> torch.Tensor | None:
+        return None if gate is None else dca_selected_blocks(variants, k, **moba)
+
     if has_nonfinite(q, v):  # the kernels' NaN / inf rule (see kernels.common.propagate_nonfinite)
         args = dict(pretraining_length=pretraining_length, chunk_size=chunk_size, inv_freq=inv_freq, scale=scale,
                     temperature=temperature, block_size=block_size, top_k=top_k, pooling=pooling,
                     sink_blocks=sink_blocks, local_blocks=local_blocks)  # fmt: skip
-        allowed = _allowed(q, k, selected, block_size)  # the selection of the original q, as the reference's
+        allowed = _allowed(q, k, whole_selection(), block_size)  # the selection of the original q, as the reference's
         return propagate_nonfinite(lambda q_, v_: dca_attention(q_, k, v_, **args), q, v, allowed)
     scale = (d**-0.5 if scale is None else scale) * temperature
     # inference on CPU: fused pieces merged by log-sum-exp (dense: one call per part; MoBA: the torch kernel's
@@ -197,12 +227,17 @@ def dca_attention(
         if fast:
             return _dense_dca_by_parts(variants, k, v, s, scale).to(q.dtype)
         return _dense_dca(variants, k, v, s, scale).to(q.dtype)
-    if fast:
+    if fast:  # each worker selects the blocks of its own queries, slice by slice, then attends them
+
+        def select(first: int, end: int) -> Iterator[tuple[int, torch.Tensor]]:
+            return dca_selection_slices(variants, k, queries=(first, end), slice_elements=_PART_SCORE_ELEMENTS, **moba)
+
         out = attention_with_query_variants(
-            variants, k, v, selected=selected, block_size=block_size, variant_chunk=s, scale=scale
+            variants, k, v, selected=select, block_size=block_size, variant_chunk=s, scale=scale, top_k=top_k
         )
         return out.to(q.dtype)
     # with gradients (or off CPU), MoBA: per query tile, one masked part per region, merged by log-sum-exp
+    selected = whole_selection()
     kf, vf = k.to(dtype), v.to(dtype)
     key_block = torch.arange(nk, device=k.device) // block_size
     tile = max(1, min(nq, TILE_ELEMENTS // max(1, b * hq * nk)))
@@ -243,9 +278,7 @@ def _allowed(q: torch.Tensor, k: torch.Tensor, selected: torch.Tensor | None, bl
     return allowed
 
 
-def _dense_dca_by_parts(
-    variants: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor, s: int, scale: float
-) -> torch.Tensor:
+def _dense_dca_by_parts(variants: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: int, scale: float) -> torch.Tensor:
     """Dense DCA for inference on CPU: per query chunk, one fused flash call per part, merged by log-sum-exp.
 
     Each key pair is computed once (about the products of dense causal attention, a third of `_dense_dca`'s);
@@ -275,7 +308,7 @@ def _dense_dca_by_parts(
     return out
 
 
-def _dense_dca(variants: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor, s: int, scale: float) -> torch.Tensor:
+def _dense_dca(variants: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: int, scale: float) -> torch.Tensor:
     """Dense DCA as one SDPA call per query chunk, so the fused kernel does the softmax and the merge.
 
     The three parts differ only in the query variant, so stack them along head_dim and put each key into the

@@ -25,12 +25,17 @@ def rope_cos_sin(delta: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
 
 
 def rotate(
-    x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype | None = None
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    inv_freq: torch.Tensor,
+    dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Move x from its RoPE positions by `delta`.
 
     x: [B, H, N, D] (rotated at some positions); delta: int positions broadcastable to [B, 1, N]
-    (e.g. [N] or [B, 1, N]); inv_freq: [D / 2]. Returns x rotated by delta, in `dtype` (default x's).
+    (e.g. [N] or [B, 1, N]); inv_freq: [D / 2]. Returns x rotated by delta, in `dtype` (default x's), written
+    into `out` when given.
     """
     if 2 * inv_freq.shape[-1] != x.shape[-1]:
         raise ValueError(
@@ -39,7 +44,7 @@ def rotate(
     dtype = x.dtype if dtype is None else dtype
     cos, sin = rope_cos_sin(delta, inv_freq, dtype)
     xd = x.to(dtype)
-    return xd * cos + _rotate_half(xd) * sin
+    return torch.add(xd * cos, _rotate_half(xd) * sin, out=out)
 
 
 def default_inv_freq(head_dim: int, base: float) -> torch.Tensor:

@@ -19,6 +19,8 @@ The pieces and their merge are `kernels.dense` (PyTorch's fused CPU flash-attent
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
+
 import torch
 
 from .common import (
@@ -133,28 +135,21 @@ class _Plan:
         self.block_ids: list[int] | None = None  # grouped: each call's key block
         if earlier_slices is None:
             return
-        groupable = fused_available(q) and self.finite_keys
         rows, blocks = [], []
-        for a, earlier in earlier_slices:
-            if groupable:  # pairs in key-block order, then row order (the grouped layout's)
-                ib, ih, ij, ig, iq = earlier.unflatten(1, (hkv, g)).permute(0, 1, 4, 2, 3).nonzero().unbind(1)
-                rows.append(((ib * hkv + ih) * g + ig) * nq + iq + a)
-                blocks.append((ib * hkv + ih) * nb + ij)
-            else:  # pairs in row order, then block order (the chunked layout's)
-                ib, ih, iq, ij = earlier.nonzero().unbind(1)
-                rows.append((ib * hq + ih) * nq + iq + a)
-                blocks.append((ib * hkv + ih // g) * nb + ij)
+        for a, earlier in earlier_slices:  # each slice's pairs in row order, then block order
+            ib, ih, iq, ij = earlier.nonzero().unbind(1)  # (a permuted nonzero, in block order, is ~8x slower)
+            rows.append((ib * hq + ih) * nq + iq + a)
+            blocks.append((ib * hkv + ih // g) * nb + ij)
         pairs = sum(r.numel() for r in rows)
         if pairs == 0:
             return
+        rows, blocks = (torch.cat(t) if len(t) > 1 else t[0] for t in (rows, blocks))
         count, chunk = variants
-        if groupable and pairs >= _GROUP_ROWS * (b * hkv * nb):
-            self._grouped(*_merge_block_orders(rows, blocks, b * hkv * nb))
-        else:
-            rows, blocks = torch.cat(rows), torch.cat(blocks)
-            if groupable:  # few pairs: back to row order, then block order
-                order = torch.argsort(rows, stable=True)
-                rows, blocks = rows[order], blocks[order]
+        if fused_available(q) and self.finite_keys and pairs >= _GROUP_ROWS * (b * hkv * nb):
+            blocks, order = torch.sort(blocks, stable=True)  # key-block order (a radix sort: cheap)
+            keys, counts = torch.unique_consecutive(blocks, return_counts=True)
+            self._grouped(rows[order], keys, counts)
+        else:  # every row's pairs are consecutive (slices cover disjoint queries)
             self._chunked(rows, blocks, _batch_rows(dev, bs))
         if count > 1:  # the query variant each pair reads: by chunk distance between query and block
             pos, blk = self.rows % nq + start, self.blocks.repeat_interleave(self.chunk_rows) % nb
@@ -164,7 +159,7 @@ class _Plan:
     def _grouped(self, rows: torch.Tensor, keys: torch.Tensor, counts: torch.Tensor) -> None:
         """One fused call per key block with all the rows that picked it (no padding, the block's K/V not
         copied per chunk); a block picked by more than 2 x _BATCH_ROWS rows is cut into calls of equal size.
-        rows: sorted by key block (`keys`, picked by `counts` rows each), then by row."""
+        rows: in key-block order (`keys`, picked by `counts` rows each)."""
         self.rows = self.source = rows
         self.dummy = torch.zeros(rows.numel(), dtype=torch.bool, device=rows.device)
         parts = [-(-n // (2 * _BATCH_ROWS)) for n in counts.tolist()]
@@ -210,26 +205,6 @@ class _Plan:
                 c_end = min(c + step, c0 + n_chunks)
                 self.batches.append((slice(c * self.chunk, c_end * self.chunk), slice(c, c_end)))
             c0 += n_chunks
-
-
-def _merge_block_orders(rows: list[torch.Tensor], blocks: list[torch.Tensor], n_blocks: int):
-    """Pairs of several query slices, each in (block, row) order, merged into one (block, row) order by counting
-    (no sort): slice s's pairs of block j go after those of earlier slices. Returns (rows, blocks present,
-    pairs per block present)."""
-    if len(rows) == 1:
-        keys, counts = torch.unique_consecutive(blocks[0], return_counts=True)
-        return rows[0], keys, counts
-    per_slice = torch.stack([torch.bincount(bl, minlength=n_blocks) for bl in blocks])  # [S, n_blocks]
-    total = per_slice.sum(0)
-    block_start = total.cumsum(0) - total
-    earlier_slices = per_slice.cumsum(0) - per_slice
-    merged = torch.empty(int(total.sum()), dtype=rows[0].dtype, device=rows[0].device)
-    for s, (r, bl) in enumerate(zip(rows, blocks, strict=True)):
-        within = per_slice[s].cumsum(0) - per_slice[s]  # where each block's pairs start in this slice's list
-        pos = (block_start + earlier_slices[s] - within).index_select(0, bl)
-        merged.index_copy_(0, pos.add_(torch.arange(r.numel(), device=r.device)), r)
-    present = total.nonzero().squeeze(1)
-    return merged, present, total.index_select(0, present)
 
 
 def _calls(chunks: slice) -> int:
@@ -313,7 +288,8 @@ def _whole_rows(rows: torch.Tensor, nq: int, total: int, first: int) -> torch.Te
 
 
 def _forward(q, k, v, plan: _Plan, block_size: int, scale: float, dtype: torch.dtype, q_gated=None, into=None):
-    """Output and log-sum-exp; own blocks read q, gated pieces read `q_gated` (stacked variants) if given.
+    """Output and log-sum-exp; own blocks read q, gated pieces read `q_gated` (the whole queries' variants stacked,
+    [V * B, Hq, Nq, D]; `plan.source` picks the variant) if given.
 
     into: (out rows, lse rows from `_output_rows`, first query, all queries Nq, part index, the whole contiguous
     queries): q is the view of queries [first, first + nq) of the whole; write them into the whole [B, Hq, Nq]
@@ -362,9 +338,10 @@ def _forward(q, k, v, plan: _Plan, block_size: int, scale: float, dtype: torch.d
         weights = torch.ones(out_rows.shape[0], dtype=dtype, device=q.device)
     for rows, chunks in plan.batches:
         idx, src = plan.rows[rows], plan.source[rows]
-        if total != nq:  # this part's flat rows -> rows of the whole output (and queries)
+        if total != nq:  # this part's flat rows -> rows of the whole output (and queries, of each variant)
             idx = _whole_rows(idx, nq, total, first)
-            src = src if q_gated is not None else _whole_rows(src, nq, total, first)
+            part_rows = b * hq * nq
+            src = _whole_rows(src % part_rows, nq, total, first) + src // part_rows * (b * hq * total)
         dummy = plan.dummy[rows] if plan.padded else None
         dst = idx if dummy is None else idx.masked_fill(dummy, trash)
         if plan.block_ids is None:
@@ -582,22 +559,26 @@ def moba_attention_torch(
 
 @torch.no_grad()
 def attention_with_query_variants(
-    queries: list[torch.Tensor],
+    queries: torch.Tensor | Sequence[torch.Tensor],
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    selected: torch.Tensor,
+    selected: torch.Tensor | Callable[[int, int], Iterable[tuple[int, torch.Tensor]]],
     block_size: int,
     variant_chunk: int,
     scale: float,
+    top_k: int | None = None,
 ) -> torch.Tensor:
     """Block-sparse attention over a given selection where a query has several versions (inference only).
 
-    queries: 1..3 tensors [B, Hq, Nq, D] (the same queries, e.g. rotated at different positions); selected: bool
-    [B, Hq, Nq, n_blocks] including each query's own block. The own block (causal) uses queries[0]; a gated
+    queries: 1..3 tensors [B, Hq, Nq, D] (the same queries, e.g. rotated at different positions), as a list or
+    stacked [V, B, Hq, Nq, D] (read in place); selected: bool [B, Hq, Nq, n_blocks] including each query's own
+    block, or a function select(first, end) yielding (query a, bool [B, Hq, n, m]: the blocks 0..m-1 queries
+    a..a+n-1 select) over the queries [first, end), called on each worker's range (selection then runs in
+    parallel and is never held whole; top_k balances the ranges). The own block (causal) uses queries[0]; a gated
     block j of the query at position p uses queries[min(p // variant_chunk - j * block_size // variant_chunk,
-    len(queries) - 1)] (Dual Chunk Attention's intra / successive / inter query by chunk distance; block_size must
-    divide variant_chunk). Returns [B, Hq, Nq, D] in float32 (float64 for float64 input).
+    len(queries) - 1)] (Dual Chunk Attention's intra / successive / inter query by chunk distance; block_size
+    must divide variant_chunk). Returns [B, Hq, Nq, D] in float32 (float64 for float64 input).
     """
     if not 1 <= len(queries) <= 3 or any(t.shape != queries[0].shape for t in queries):
         raise ValueError(f"queries must be 1 to 3 tensors of one shape, got shapes {[tuple(t.shape) for t in queries]}")
@@ -605,25 +586,30 @@ def attention_with_query_variants(
     if variant_chunk < 1 or variant_chunk % block_size:
         raise ValueError(f"variant_chunk must be a positive multiple of block_size ({block_size}), got {variant_chunk}")
     expected = (*queries[0].shape[:3], num_blocks(k.shape[2], block_size))
-    if selected.dtype != torch.bool or tuple(selected.shape) != expected:
+    if not callable(selected) and (selected.dtype != torch.bool or tuple(selected.shape) != expected):
         raise ValueError(f"selected must be bool {expected}, got {selected.dtype} {tuple(selected.shape)}")
-    q = queries[0].contiguous()
+    stacked = (queries if isinstance(queries, torch.Tensor) else torch.stack(list(queries))).contiguous()
+    q = stacked[0]
+    q_gated = stacked.flatten(0, 1) if len(stacked) > 1 else None  # [V * B, Hq, Nq, D]: rows of every variant
     k, v = k.contiguous(), v.contiguous()
     nq, nk = q.shape[2], k.shape[2]
     dtype = gate_dtype(q.dtype)
 
     b, hq, _, d = q.shape
-    parts = query_parts(nq, nk, block_size, worker_count(q.device))
+    parts = query_parts(nq, nk, block_size, worker_count(q.device), top_k)
     out_rows, lse_rows = _output_rows(b, hq, nq, d, len(parts), dtype, q.device)
+
+    def gated(a: int, chosen: torch.Tensor) -> torch.Tensor:  # chosen blocks of queries a.. minus their own
+        own_block = (torch.arange(chosen.shape[2], device=q.device) + nk - nq + a) // block_size
+        return chosen & (own_block[:, None] != torch.arange(chosen.shape[3], device=q.device))
 
     def run(index: int, first: int, end: int) -> None:
         qp, kp, vp = q[:, :, first:end], _prefix(k, end, nq), _prefix(v, end, nq)
-        nb = num_blocks(kp.shape[2], block_size)  # a query never selects a block past its own
-        positions = torch.arange(first, end, device=q.device) + nk - nq
-        own = (positions // block_size)[:, None] == torch.arange(nb, device=q.device)
-        gated = selected[:, :, first:end, :nb] & ~own
-        plan = _Plan(qp, kp, block_size, [(0, gated)], variants=(len(queries), variant_chunk))
-        q_gated = torch.cat([_part(t, first, end).to(q.dtype) for t in queries]) if len(queries) > 1 else None
+        if callable(selected):
+            earlier = ((a - first, gated(a, chosen)) for a, chosen in selected(first, end))
+        else:
+            earlier = [(0, gated(first, selected[:, :, first:end, : num_blocks(kp.shape[2], block_size)]))]
+        plan = _Plan(qp, kp, block_size, earlier, variants=(len(stacked), variant_chunk))
         with fused_if(plan.finite_keys):
             into = (out_rows, lse_rows, first, nq, index, q)
             _forward(qp, kp, vp, plan, block_size, scale, dtype, q_gated, into=into)
