@@ -71,12 +71,12 @@ def _sweep_grid() -> dict[str, MobaConfig]:
         (32, 24, 3, {"pooling": "mean+max", "sink_blocks": 1, "local_blocks": 1}),
         (32, 24, 0, {"sink_blocks": 1, "local_blocks": 1}),
         # the question densely: the training-free gate with a dense tail, at the preset's budget and at >= 70%
-        (64, 12, 3, {"pooling": "bound", "sink_blocks": 1, "local_blocks": 1, "dense_tail": 64}),
-        (64, 6, 2, {"pooling": "bound", "sink_blocks": 1, "local_blocks": 1, "dense_tail": 64}),
-        (64, 6, 0, {"pooling": "bound", "sink_blocks": 1, "local_blocks": 1, "dense_tail": 64}),
-        (64, 7, 0, {"pooling": "bound", "sink_blocks": 1, "local_blocks": 1, "dense_tail": 64}),
-        (64, 4, 0, {"pooling": "bound", "sink_blocks": 1, "local_blocks": 1, "dense_tail": 128}),
-        # the first layers dense: at 8K the errors of sparse early layers reach every later one
+        (64, 12, 3, {**_TRAINING_FREE_GATE, "dense_tail": 64}),
+        (64, 6, 2, {**_TRAINING_FREE_GATE, "dense_tail": 64}),
+        (64, 6, 0, {**_TRAINING_FREE_GATE, "dense_tail": 64}),
+        (64, 7, 0, {**_TRAINING_FREE_GATE, "dense_tail": 64}),
+        (64, 4, 0, {**_TRAINING_FREE_GATE, "dense_tail": 128}),
+        # the first two layers dense: what kept the prose needles at 8K (more blocks or a longer dense tail did not)
         (64, 5, 0, {"full_attn_layer_ids": (0, 1), **_TRAINING_FREE_GATE, "dense_tail": 64}),
     ]:
         name = f"b{bs}-k{k}-f{full}" + "".join(

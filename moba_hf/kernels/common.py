@@ -307,7 +307,6 @@ def selection_slices(
     nq, nk = q.shape[2], k.shape[2]
     start = nk - nq
     block_size = effective_block_size(block_size, nk)
-    blk = torch.arange(num_blocks(nk, block_size), device=q.device)
     pooled = pooled_keys(k, block_size, gate.pooling) if top_k > 1 else None
     for a in range(0, nq, slice_rows):
         n = min(slice_rows, nq - a)
@@ -321,8 +320,15 @@ def selection_slices(
             pooled=pooled,
             trim=trim,
         )
-        own = ((torch.arange(n, device=q.device) + start + a) // block_size)[:, None] == blk[: selected.shape[-1]]
-        yield a, selected, selected & ~own
+        yield a, selected, without_own_block(selected, start + a, block_size)
+
+
+def without_own_block(selected: torch.Tensor, first_position: int, block_size: int) -> torch.Tensor:
+    """selected [B, Hq, n, m] of the queries at positions first_position.. without each query's own block: the
+    gated earlier blocks, which fast backends run apart from the own (causal) block."""
+    n, m = selected.shape[2], selected.shape[3]
+    own = (torch.arange(n, device=selected.device) + first_position) // block_size
+    return selected & (own[:, None] != torch.arange(m, device=selected.device))
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:

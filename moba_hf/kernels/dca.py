@@ -95,15 +95,16 @@ def dca_selection_slices(
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """`dca_selected_blocks` over query slices: yields (index of the slice's first query, selected [B, Hq, n,
     seen]), seen = blocks up to the slice's last query's (later ones are never chosen). queries: the range
-    [first, end) of the queries to cover (default all); slice_elements bounds the gate scores held at once.
-    A slice never crosses a chunk boundary, so each region's blocks are scored once, with its own variant."""
+    [first, end) of the queries to cover (default all); slice_elements bounds the gate scores held at once;
+    pooled: `pooled_keys(k, ...)` when the caller has it. A slice never crosses a chunk boundary, so each region's
+    blocks are scored once, with its own variant."""
     b, hq, nq = variants[0].shape[:3]
     nk = k.shape[2]
     first = nk - nq  # position of query 0
     per_chunk = chunk_size // block_size
     lo_query, hi_query = queries or (0, nq)
     if pooled is None and top_k > 1:
-        pooled = pooled_keys(k[:, :, : first + hi_query], block_size, gate.pooling)
+        pooled = pooled_keys(k, block_size, gate.pooling)
     rows = max(1, slice_elements // max(1, b * hq * num_blocks(first + hi_query, block_size)))
     a = lo_query
     while a < hi_query:
@@ -228,9 +229,12 @@ def dca_attention(
             return _dense_dca_by_parts(variants, k, v, s, scale).to(q.dtype)
         return _dense_dca(variants, k, v, s, scale).to(q.dtype)
     if fast:  # each worker selects the blocks of its own queries, slice by slice, then attends them
+        pooled = pooled_keys(k, block_size, gate.pooling) if top_k > 1 else None  # once, shared by the workers
 
         def select(first: int, end: int) -> Iterator[tuple[int, torch.Tensor]]:
-            return dca_selection_slices(variants, k, queries=(first, end), slice_elements=_PART_SCORE_ELEMENTS, **moba)
+            return dca_selection_slices(
+                variants, k, queries=(first, end), slice_elements=_PART_SCORE_ELEMENTS, pooled=pooled, **moba
+            )
 
         out = attention_with_query_variants(
             variants, k, v, selected=select, block_size=block_size, variant_chunk=s, scale=scale, top_k=top_k

@@ -33,6 +33,7 @@ from .common import (
     num_blocks,
     propagate_moba_nonfinite,
     selection_slices,
+    without_own_block,
 )
 from .dense import attention_with_lse, attention_with_lse_backward, fused_available, fused_if, merge_lse_
 from .workers import run_all, worker_count
@@ -599,16 +600,13 @@ def attention_with_query_variants(
     parts = query_parts(nq, nk, block_size, worker_count(q.device), top_k)
     out_rows, lse_rows = _output_rows(b, hq, nq, d, len(parts), dtype, q.device)
 
-    def gated(a: int, chosen: torch.Tensor) -> torch.Tensor:  # chosen blocks of queries a.. minus their own
-        own_block = (torch.arange(chosen.shape[2], device=q.device) + nk - nq + a) // block_size
-        return chosen & (own_block[:, None] != torch.arange(chosen.shape[3], device=q.device))
-
     def run(index: int, first: int, end: int) -> None:
         qp, kp, vp = q[:, :, first:end], _prefix(k, end, nq), _prefix(v, end, nq)
         if callable(selected):
-            earlier = ((a - first, gated(a, chosen)) for a, chosen in selected(first, end))
+            chosen = selected(first, end)
         else:
-            earlier = [(0, gated(first, selected[:, :, first:end, : num_blocks(kp.shape[2], block_size)]))]
+            chosen = [(first, selected[:, :, first:end, : num_blocks(kp.shape[2], block_size)])]
+        earlier = ((a - first, without_own_block(sel, nk - nq + a, block_size)) for a, sel in chosen)
         plan = _Plan(qp, kp, block_size, earlier, variants=(len(stacked), variant_chunk))
         with fused_if(plan.finite_keys):
             into = (out_rows, lse_rows, first, nq, index, q)
