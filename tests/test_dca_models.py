@@ -1,6 +1,9 @@
 """DCA inside transformers on tiny Llama / Qwen2 / Qwen3 models: exactness inside one chunk, cached decoding
 and chunked prefill against one full forward, keys stored at j mod s, padding, configs and errors."""
 
+import copy
+from pathlib import Path
+
 import conftest
 import pytest
 import torch
@@ -161,6 +164,24 @@ def test_hybrid_layers_run_dense_dca_and_are_tracked():
     assert 0 < stats.per_layer()[0] < 1 and stats.per_layer()[1] == 0
 
 
+def test_full_decode_steps_run_dense_dca_over_the_sparse_prefills_cache():
+    model = tiny_model("llama", moba=SPARSE.replace(decode="full"))
+    ids = torch.randint(0, 97, (1, 41))
+    with torch.no_grad():
+        cache = model(ids[:, :40], use_cache=True).past_key_values
+    with torch.no_grad(), moba_hf.track_sparsity() as stats:
+        step = model(ids[:, 40:], cache=copy.deepcopy(cache), use_cache=True).logits
+    assert set(stats.backends.values()) == {"dca"}
+    moba_hf.apply(model, DENSE)
+    with torch.no_grad():
+        dense_step = model(ids[:, 40:], cache=copy.deepcopy(cache), use_cache=True).logits
+    torch.testing.assert_close(step, dense_step, rtol=0, atol=0)
+    moba_hf.apply(model, SPARSE)  # sparse steps choose 2 of 11 blocks: not the dense step
+    with torch.no_grad():
+        sparse_step = model(ids[:, 40:], cache=cache, use_cache=True).logits
+    assert (sparse_step - dense_step).abs().max() > 1e-6
+
+
 def test_packed_documents_remap_per_document():
     model = tiny_model("llama", moba=SPARSE)
     docs = [torch.randint(0, 97, (1, n)) for n in (26, 15)]
@@ -252,7 +273,9 @@ def test_shipped_presets_load():
     sparse = MobaConfig.preset("dca-moba")
     assert not dense.sparse and dense.dca == DcaConfig()
     assert sparse.sparse and sparse.dca == DcaConfig(pretraining_length=4096, temperature=True)
-    assert sparse.dense_tail > 0 and sparse.pooling == "bound"
+    assert sparse.dense_tail > 0 and sparse.pooling == "bound" and sparse.decode == "full"
+    baseline = MobaConfig.from_spec(str(Path(__file__).parent.parent / "configs" / "dca_dense_c4096.toml"))
+    assert baseline == MobaConfig(sparse=False, dca=sparse.dca)  # the preset's dense baseline: the same DCA
     model_config = LlamaConfig(**{**TINY, "max_position_embeddings": 8192})
     assert resolve(dense.dca, model_config) == DcaParams(8192, 7168)
     assert resolve(sparse.dca, model_config, sparse.block_size) == DcaParams(4096, 3584, temperature=True)
