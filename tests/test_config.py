@@ -1,4 +1,7 @@
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -60,6 +63,7 @@ def test_file_formats(tmp_path, suffix):
 
 def test_presets_are_shipped_and_named():
     from moba_hf import presets
+    from moba_hf.presets.cli import about
 
     assert {"training-free", "paper-8k", "paper-1m", "dca-dense", "dca-moba", "serving-long-doc"} <= set(
         presets.names()
@@ -70,7 +74,7 @@ def test_presets_are_shipped_and_named():
         block_size=4096, top_k=4, full_attn_layers=2, decode="full"
     )
     for name in presets.names():
-        info = presets.about(name)
+        info = about(name)
         assert info["summary"] and info["measured"], name
     with pytest.raises(ValueError, match="unknown MoBA preset 'trainingfree'; presets: dca-dense"):
         MobaConfig.preset("trainingfree")
@@ -141,16 +145,19 @@ def test_seed_style_server_configs_load(tmp_path):
 @pytest.mark.parametrize(
     "data,match",
     [
-        ({"force_current_block": False}, "force_current_block = False is not possible: MoBA always attends"),
-        ({"causal_mask": False}, "causal_mask = False is not possible: MoBA attention is causal"),
+        ({"force_current_block": False}, "force_current_block = false is not possible: MoBA always attends"),
+        ({"causal_mask": "false"}, "causal_mask = 'false' is not possible: MoBA attention is causal"),
+        ({"causal_mask": "yes"}, r"causal_mask must be true or false \(or the string"),
         ({"attention_type": "linear"}, "attention_type must be 'moba' or 'full'"),
         ({"enable_full_attention_fallback": False, "fallback_layers": 2}, "contradicts enable_full_attention"),
         ({"enable_full_attention_fallback": True}, "needs fallback_layers"),
         ({"flash_attn_version": 3}, "flash_attn_version must be 2"),
-        ({"block_size": 64, "moba_chunk_size": 64}, "block_size is given twice"),
+        ({"block_size": 64, "moba_chunk_size": 64}, "block_size and moba_chunk_size both set block_size \\(to 64\\)"),
+        ({"block_size": 64, "moba_chunk_size": 32}, "block_size = 64 contradicts moba_chunk_size = 32"),
+        ({"fallback_layers": 2, "full_attn_layers": 3}, "fallback_layers = 2 contradicts full_attn_layers = 3"),
         ({"moba": 5}, "moba must be a table of settings, got int 5"),
         ({"block_size": 64, "moba": {"top_k": 2}}, r"keys \['block_size'\] sit beside the \[moba\] table"),
-        ({"attention": {"type": "moba", "window": 3}}, r"unknown MoBA config keys \['window'\]"),
+        ({"attention": {"type": "moba", "window": 3}}, r"unknown MoBA config keys \['attention.window'\]"),
         ({"attention": {"type": "moba"}, "extra": 1}, r"keys \['extra'\] sit beside the \[attention\] table"),
     ],
 )
@@ -204,3 +211,289 @@ def test_training_free_preset_is_the_swept_setting():
     from moba_hf.eval.sweep import DEFAULT_GRID
 
     assert preset in {cfg for _, cfg in DEFAULT_GRID}
+
+
+# --- the server vocabulary as people write it -----------------------------------------------------------------
+# The deployment guide's JSON as users paste it: the flash-attn version and the KV cache dtype in quotes
+PASTED_SEED_JSON = (
+    '{"attention_type": "moba", "block_size": 2048, "top_k_blocks": 3, "force_current_block": true, '
+    '"causal_mask": true, "enable_full_attention_fallback": true, "fallback_layers": 2, "score_pooling": "mean", '
+    '"flash_attn_version": "2", "kv_cache_dtype": "fp16", "max_context_tokens": 131072}'
+)
+PASTED_SEED_TOML = """
+[attention]
+type = "moba"
+block_size = "2048"
+top_k_blocks = 3
+force_current_block = "true"
+causal_mask = true
+
+[attention.fallback]
+enabled = true
+layers = "2"
+
+[attention.kv_cache]
+dtype = "fp16"
+max_context_tokens = "131072"
+"""
+
+
+def test_pasted_seed_files_load(tmp_path):
+    from moba_hf.config import read_config_file
+
+    (tmp_path / "seed.json").write_text(PASTED_SEED_JSON)
+    (tmp_path / "seed.toml").write_text(PASTED_SEED_TOML)
+    serving = {"kv_cache_dtype": "float16", "max_context_tokens": 131072}  # vLLM's name for the dtype
+    settings = read_config_file(tmp_path / "seed.json")
+    assert settings.moba == MobaConfig(block_size=2048, top_k=3, full_attn_layers=2, backend="flash")
+    assert settings.serving == serving
+    settings = read_config_file(tmp_path / "seed.toml")
+    assert settings.moba == MobaConfig(block_size=2048, top_k=3, full_attn_layers=2)
+    assert settings.serving == serving
+
+
+@pytest.mark.parametrize(
+    "data,expected",
+    [
+        ({"block_size": "4096", "top_k": " 4 "}, MobaConfig(block_size=4096, top_k=4)),
+        ({"moba_chunk_size": "256", "moba_topk": "2"}, MobaConfig(block_size=256, top_k=2)),
+        ({"enable_full_attention_fallback": "TRUE", "fallback_layers": "3"}, MobaConfig(full_attn_layers=3)),
+        ({"fallback_layers": ["0", "-1"]}, MobaConfig(full_attn_layer_ids=(0, -1))),
+        ({"flash_attn_version": "2"}, MobaConfig(backend="flash")),
+        ({"sparse": "false", "dca": "true"}, MobaConfig(sparse=False, dca=True)),
+        ({"dca": {"pretraining_length": "4096", "temperature": "true"}},
+         MobaConfig(dca={"pretraining_length": 4096, "temperature": True})),
+        ({"attention": {"type": "full", "fallback": {"enable": "false", "layers": "0"}}}, MobaConfig(sparse=False)),
+    ],
+)  # fmt: skip
+def test_numbers_and_switches_in_quotes_are_read(data, expected):
+    assert MobaConfig.from_dict(data) == expected
+
+
+@pytest.mark.parametrize(
+    "data,match",
+    [
+        ({"top_k_blocks": "4K"},
+         r"top_k_blocks must be an integer \(a number, or digits in quotes like \"2\"\), got '4K'"),
+        ({"block_size": "64.0"}, "block_size must be an integer .* got '64.0'"),
+        ({"block_size": 64.0}, "block_size must be an integer .* got 64.0"),
+        ({"fallback_layers": "two"}, "fallback_layers must be an integer >= 0 .* got 'two'"),
+        ({"max_context_tokens": "0"}, "max_context_tokens must be an integer >= 1 .* got '0'"),
+        ({"top_k_blocks": 0}, r"top_k must be an integer >= 1, got 0 \(set by top_k_blocks\)"),
+        ({"sparse": "no"}, "sparse must be true or false"),
+        ({"sparse": 1}, "sparse must be true or false"),
+        ({"dca": {"temperature": "on"}}, "temperature must be true or false"),
+        ({"flash_attn_version": "3"},
+         r"flash_attn_version must be 2 \(the flash backend runs flash-attn 2; the number 2 or \"2\"\), got '3'"),
+        ({"flash_attn_version": True}, "flash_attn_version must be 2 .* got True"),
+    ],
+)  # fmt: skip
+def test_values_that_are_not_numbers_are_refused_by_key(data, match):
+    with pytest.raises(ValueError, match=match):
+        MobaConfig.from_dict(data)
+
+
+@pytest.mark.parametrize(
+    "spelling,name",
+    [("fp16", "float16"), ("float16", "float16"), ("half", "float16"), ("FP16", "float16"), ("bf16", "bfloat16"),
+     ("bfloat16", "bfloat16"), ("fp32", "float32"), ("float", "float32"), ("auto", "auto")],
+)  # fmt: skip
+def test_kv_cache_dtype_spellings_are_one_dtype(spelling, name):
+    from moba_hf.config import read_config
+
+    assert read_config({"kv_cache_dtype": spelling}).serving == {"kv_cache_dtype": name}
+
+
+def test_kv_cache_dtype_refusal_lists_the_spellings(tmp_path):
+    from moba_hf.config import read_config_file
+
+    path = tmp_path / "server.toml"
+    path.write_text('[attention.kv_cache]\ndtype = "fp8"\n')
+    message = (
+        r"server.toml: attention.kv_cache.dtype must be a KV cache dtype the MoBA kernels read \(auto; "
+        r"float16 / fp16 / half; bfloat16 / bf16; float32 / fp32 / float\), got 'fp8' \(quantized caches"
+    )
+    with pytest.raises(ValueError, match=message):
+        read_config_file(path)
+
+
+def test_nested_keys_are_named_by_their_path_and_the_valid_ones_listed():
+    with pytest.raises(ValueError, match=r"\['attention.fallback.enabeld'\]; valid keys: .*enable \(or enabled\)"):
+        MobaConfig.from_dict({"attention": {"fallback": {"enabeld": True, "layers": 2}}})
+    with pytest.raises(ValueError, match=r"attention.fallback must be a table \(\[attention.fallback\]\), got 2"):
+        MobaConfig.from_dict({"attention": {"fallback": 2}})
+
+
+# --- two keys for one setting, and duplicate keys --------------------------------------------------------------
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ('[attention]\nattention_type = "moba"\ntype = "full"\n',
+         "attention.attention_type = 'moba' contradicts attention.type = 'full' \\(both set attention_type\\)"),
+        ("[attention]\nenable_full_attention_fallback = false\n[attention.fallback]\nenable = true\nlayers = 2\n",
+         "attention.enable_full_attention_fallback = false contradicts attention.fallback.enable = true"),
+        ("[attention]\nfallback_layers = 0\n[attention.fallback]\nenable = true\nlayers = 3\n",
+         "attention.fallback_layers = 0 contradicts attention.fallback.layers = 3 \\(both set fallback_layers\\)"),
+        ("[attention.fallback]\nenable = true\nenabled = true\nlayers = 1\n",
+         "attention.fallback.enable and attention.fallback.enabled both set enable_full_attention_fallback"),
+        ("[attention]\nsparse = true\ntype = 'full'\n", "attention.sparse = true contradicts attention.type = 'full'"),
+    ],
+)  # fmt: skip
+def test_nested_seed_contradictions_are_refused(tmp_path, text, match):
+    path = tmp_path / "seed.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=f"seed.toml: {match}"):
+        MobaConfig.from_file(path)
+
+
+@pytest.mark.parametrize(
+    "name,text,match",
+    [
+        ("dup.json", '{"block_size": 64, "block_size": 128}',
+         r"dup.json: key 'block_size' appears twice in one JSON object \(64, then 128\)"),
+        ("dup.json", '{"moba": {"top_k": 2, "dca": {"chunk_size": 8, "chunk_size": 16}}}', "key 'chunk_size' appears"),
+        ("dup.yaml", "block_size: 64\ntop_k: 2\nblock_size: 128\n",
+         r"dup.yaml: key 'block_size' appears twice in one YAML mapping \(lines 1 and 3\)"),
+        ("dup.yml", "moba:\n  top_k: 2\n  top_k: 3\n", r"dup.yml: key 'top_k' appears twice .* \(lines 2 and 3\)"),
+        ("dup.toml", "block_size = 64\nblock_size = 128\n", "dup.toml: invalid TOML"),
+    ],
+)  # fmt: skip
+def test_duplicate_keys_are_refused(tmp_path, name, text, match):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        MobaConfig.from_file(path)
+
+
+def test_yaml_merge_keys_may_be_overridden(tmp_path):
+    path = tmp_path / "merge.yaml"
+    path.write_text("base: &base {block_size: 64, top_k: 2}\nmoba:\n  <<: *base\n  top_k: 4\n")
+    from moba_hf.config import load_mapping
+
+    assert load_mapping(path)["moba"] == {"block_size": 64, "top_k": 4}
+
+
+# --- files that are not text, or too deep --------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "name,content,match",
+    [
+        ("utf16.toml", "block_size = 64\n".encode("utf-16"), "utf16.toml is UTF-16 text .*: save it as UTF-8"),
+        ("utf16.json", '{"block_size": 64}'.encode("utf-16-le"), "utf16.json holds NUL bytes .* UTF-16 text"),
+        ("binary.yaml", b"\x89PNG\r\n\x1a\n\x00\x00", r"binary.yaml is not UTF-8 text \(byte 0x89 at offset 0\)"),
+        ("latin1.toml", 'name = "caf\xe9"\n'.encode("latin-1"),
+         r"latin1.toml is not UTF-8 text \(byte 0xe9 at offset 11\)"),
+        ("deep.json", b"[" * 100_000 + b"]" * 100_000, "deep.json: nested too deeply to parse as JSON"),
+        ("deep.yaml", b"[" * 100_000 + b"]" * 100_000, "deep.yaml: nested too deeply to parse as YAML"),
+        ("deep.toml", b"a = " + b"[" * 100_000 + b"]" * 100_000, "deep.toml: nested too deeply to parse as TOML"),
+    ],
+)  # fmt: skip
+def test_unreadable_files_name_the_file(tmp_path, name, content, match):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=match):
+        MobaConfig.from_file(path)
+
+
+def test_utf8_byte_order_mark_is_read(tmp_path):
+    path = tmp_path / "bom.json"
+    path.write_bytes('{"block_size": 64}'.encode("utf-8-sig"))
+    assert MobaConfig.from_file(path) == MobaConfig(block_size=64)
+
+
+# --- [about]: a description, the presets' keys only ------------------------------------------------------------
+def test_about_table_takes_the_presets_keys_only(tmp_path):
+    from moba_hf.config import read_config_file
+
+    path = tmp_path / "mine.toml"
+    path.write_text('[about]\nsummary = "blocks of 64"\nmeasured = "not yet"\n\n[moba]\nblock_size = 64\n')
+    assert read_config_file(path).about == {"summary": "blocks of 64", "measured": "not yet"}
+    assert MobaConfig.from_file(path) == MobaConfig(block_size=64)
+    path.write_text("[about]\nsummary = 'mine'\nblock_size = 64\n\n[moba]\ntop_k = 2\n")
+    message = r"mine.toml: \[about\] takes only summary and measured .*\['about.block_size'\]: settings go in"
+    with pytest.raises(ValueError, match=message):
+        MobaConfig.from_file(path)
+    path.write_text("about = 3\nblock_size = 64\n")
+    with pytest.raises(ValueError, match=r"mine.toml: about must be a table \(\[about\] with summary and measured\)"):
+        MobaConfig.from_file(path)
+    path.write_text("[about]\nsummary = 3\n[moba]\nblock_size = 64\n")
+    with pytest.raises(ValueError, match="mine.toml: about.summary must be text, got 3"):
+        MobaConfig.from_file(path)
+
+
+# --- preset names, file paths ---------------------------------------------------------------------------------
+def test_preset_takes_names_only(tmp_path):
+    from moba_hf import presets
+
+    path = tmp_path / "mine.toml"
+    path.write_text("block_size = 32\n")
+    for spec in (str(path), path, str(presets.DIRECTORY / "paper-8k.toml"), "../presets/paper-8k", "paper-8k.toml"):
+        with pytest.raises(ValueError, match=r"is a file path, not a preset name .* MobaConfig.from_file\(path\)"):
+            MobaConfig.preset(spec)
+    # the functions that take a name or a file keep taking both
+    assert MobaConfig.from_spec(str(path)) == MobaConfig.from_file(path) == MobaConfig(block_size=32)
+    from moba_hf.eval.settings import parse_setting
+
+    assert parse_setting(f"moba:{path}").moba == MobaConfig(block_size=32)
+    assert parse_setting("moba:paper-8k").moba == MobaConfig.preset("paper-8k")
+
+
+# --- reading configs needs no torch ---------------------------------------------------------------------------
+def _fresh(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+
+
+@pytest.mark.parametrize("argv", [["presets"], ["presets", "--help"], ["presets", "training-free"]])
+def test_presets_command_is_fast_and_loads_no_torch(argv):
+    code = f"""
+import resource, sys
+from moba_hf.cli import main
+try:
+    rc = main({argv!r})
+except SystemExit as done:  # --help
+    rc = done.code
+usage = resource.getrusage(resource.RUSAGE_SELF)
+heavy = sorted(m for m in ("torch", "transformers", "numpy", "yaml") if m in sys.modules)
+print("RESULT", rc, usage.ru_utime + usage.ru_stime, heavy)
+"""
+    done = _fresh(code)
+    assert done.returncode == 0, done.stderr
+    rc, cpu_s, heavy = done.stdout.rsplit("RESULT", 1)[1].split(maxsplit=2)
+    assert rc == "0" and heavy.strip() == "[]" and "usage" not in done.stderr, done.stdout + done.stderr
+    assert float(cpu_s) < 2.0  # CPU time of the whole interpreter, start-up included: independent of other load
+
+
+def test_config_and_presets_import_without_torch():
+    done = _fresh(
+        "import sys; import moba_hf.config, moba_hf.presets, moba_hf.dca; from moba_hf import MobaConfig\n"
+        "cfg = MobaConfig.preset('dca-moba'); MobaConfig(backend='flash', pooling='bound'); str(cfg)\n"
+        "print('torch' in sys.modules)"
+    )
+    assert done.returncode == 0 and done.stdout.split() == ["False"], done.stdout + done.stderr
+
+
+def test_torch_free_names_agree_with_the_kernels():
+    import ast
+
+    from moba_hf import kernels, options
+    from moba_hf.kernels import common
+
+    tree = ast.parse(Path(options.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert imported <= {"__future__", "re", "typing"}  # the bottom layer: kernels import it
+
+    assert common.POOLINGS is options.POOLINGS
+    assert tuple(kernels.BACKENDS)[: len(options.BUILTIN_BACKENDS)] == options.BUILTIN_BACKENDS
+    assert MobaConfig(pooling="mean+max").gate == common.GateOptions("mean+max")
+    with pytest.raises(ValueError, match="backend must be one of 'auto', 'reference'"):
+        MobaConfig(backend="cudnn")
+
+
+def test_a_registered_backend_is_a_valid_name():
+    from moba_hf import kernels
+
+    kernels.register_backend(kernels.Backend("config-test", "moba_hf.kernels.reference:moba_attention_reference"))
+    try:
+        assert MobaConfig(backend="config-test").backend == "config-test"
+    finally:
+        kernels._REGISTRY.pop("config-test")

@@ -4,10 +4,10 @@ and chunked prefill against one full forward, keys stored at j mod s, padding, c
 import copy
 from pathlib import Path
 
-import conftest
 import pytest
+import tiny_models
 import torch
-from conftest import ARCHS
+from tiny_models import ARCHS
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from transformers.models.llama.modeling_llama import rotate_half
 
@@ -16,13 +16,13 @@ from moba_hf import DcaConfig, MobaConfig
 from moba_hf.dca.config import DcaParams
 from moba_hf.integration.dca import resolve
 
-TINY = {**conftest.TINY, "max_position_embeddings": 16}  # DCA's c
+TINY = {**tiny_models.TINY, "max_position_embeddings": 16}  # DCA's c
 DENSE = MobaConfig(sparse=False, dca=DcaConfig(chunk_size=12))  # c = 16 from the model, s = 12
 SPARSE = MobaConfig(block_size=4, top_k=2, dca=DcaConfig(chunk_size=12))
 
 
 def tiny_model(arch="llama", moba=None, **config):
-    return conftest.tiny_model(arch, moba, **{"max_position_embeddings": 16, **config})
+    return tiny_models.tiny_model(arch, moba, **{"max_position_embeddings": 16, **config})
 
 
 @pytest.fixture(params=sorted(ARCHS))

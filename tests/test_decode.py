@@ -1,11 +1,17 @@
 """Sparse decode over the KV cache: the kernel, the running block state, cached decoding == one full forward."""
 
 import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import ARCHS, TINY, tiny_model
 from kernel_cases import model_tol, rounding_tol
+from tiny_models import ARCHS, TINY, tiny_model
 from transformers import (
     AttentionInterface,
     DynamicCache,
@@ -17,7 +23,7 @@ import moba_hf
 from moba_hf import MobaConfig
 from moba_hf.integration import cache as moba_cache
 from moba_hf.integration.register import moba_mask
-from moba_hf.kernels import GateOptions, causal_attention, moba_attention_reference
+from moba_hf.kernels import causal_attention, moba_attention_reference
 from moba_hf.kernels.decode import block_keys_from_cache, moba_decode
 
 # --- the kernel ---------------------------------------------------------------------------------------------------
@@ -31,7 +37,11 @@ KERNEL_CASES = [
     (1, 8, 8, 111, 1, 60, 16, 9, "mean", 0, 0),  # top_k >= blocks
     (3, 4, 2, 63, 5, 8, 6, 2, "mean", 2, 1),
     (2, 6, 3, 45, 2, 8, 5, 3, "bound", 1, 1),
+    (3, 9, 3, 203, 1, 12, 16, 5, "bound", 1, 1),  # the training-free gate, SmolLM2's GQA ratio
+    (2, 4, 2, 129, 1, 8, 32, 1, "mean", 0, 0),  # top_k = 1, a last block of one key
+    (2, 12, 4, 77, 8, 8, 8, 3, "mean", 0, 0),  # DECODE_MAX_QUERIES queries crossing a block boundary
 ]
+PATHS = ["in_place", "windows"]  # `_attend_in_place` (CPU float32 / float64) and `_attend_windows` (the rest)
 
 
 def _case_id(c):
@@ -39,20 +49,125 @@ def _case_id(c):
     return f"B{b}-T{nk}-Q{nq}-H{hkv}-HQ{hq}-D{d}-blk{bs}-k{k}-{pool}-s{sink}l{local}"
 
 
+def force_path(monkeypatch, path: str) -> list[str]:
+    """Make moba_decode take `path`; returns the list the paths taken are appended to."""
+    from moba_hf.kernels import decode as decode_kernels
+
+    taken = []
+    monkeypatch.setattr(decode_kernels, "_reads_in_place", lambda q, cache: path == "in_place")
+    for name in ("_attend_in_place", "_attend_windows"):
+        real = getattr(decode_kernels, name)
+        spy = lambda *a, _real=real, _name=name: taken.append(_name) or _real(*a)  # noqa: E731
+        monkeypatch.setattr(decode_kernels, name, spy)
+    return taken
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=_case_id)
-def test_decode_kernel_matches_reference_per_row(case):
+def test_decode_kernel_matches_reference_per_row(case, path, monkeypatch):
     b, hq, hkv, nk, nq, d, bs, k, pool, sink, local = case
+    taken = force_path(monkeypatch, path)
     q = torch.randn(b, hq, nq, d, dtype=torch.float64)
     keys = torch.randn(b, hkv, nk, d, dtype=torch.float64)
     values = torch.randn_like(keys)
     starts = torch.tensor([0, 3, 7][:b])  # left padding of different widths
     gate = dict(block_size=bs, top_k=k, pooling=pool, sink_blocks=sink, local_blocks=local)
     out = moba_decode(q, keys, values, block_keys_from_cache(keys, bs, pool, starts), starts=starts, **gate)
+    assert taken == [f"_attend_{path}"]
     for r in range(b):
         s = int(starts[r])
         want = moba_attention_reference(q[r : r + 1], keys[r : r + 1, :, s:], values[r : r + 1, :, s:], **gate)
         tol = rounding_tol(torch.float64, nq, nk, d)
         torch.testing.assert_close(out[r : r + 1], want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_decode_paths_carry_nan_and_inf_like_the_reference(which, value, path, monkeypatch):
+    """Every position of a 3-row batch poisoned in turn (own block, gated blocks, the part of a shifted last window
+    before its block, unselected blocks): the same NaN / inf pattern as the reference, the same finite values."""
+    force_path(monkeypatch, path)
+    b, hq, hkv, nk, nq, d, bs = 3, 4, 2, 43, 2, 8, 8
+    gate = dict(block_size=bs, top_k=3)
+    gen = torch.Generator().manual_seed(1)
+    q0, k0, v0 = (
+        torch.randn(b, h, n, d, generator=gen, dtype=torch.float64) for h, n in ((hq, nq), (hkv, nk), (hkv, nk))
+    )
+    for index in range(0, nk if which != "q" else nq, 3 if which != "q" else 1):
+        q, k, v = q0.clone(), k0.clone(), v0.clone()
+        {"q": q, "k": k, "v": v}[which][1, 0, index, 2] = value
+        got = moba_decode(q, k, v, block_keys_from_cache(k, bs), **gate)
+        want = moba_attention_reference(q, k, v, **gate)
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf()), (which, index)
+        finite = want.isfinite()
+        tol = rounding_tol(torch.float64, nq, nk, d)
+        torch.testing.assert_close(got[finite], want[finite], rtol=tol, atol=tol)
+        assert torch.equal(got[~finite], want[~finite]) or bool(got[~finite].isnan().all())
+
+
+def test_float32_takes_the_in_place_path_and_bfloat16_the_windows(monkeypatch):
+    from moba_hf.kernels import decode as decode_kernels
+
+    taken = []
+    for name in ("_attend_in_place", "_attend_windows"):
+        real = getattr(decode_kernels, name)
+        monkeypatch.setattr(decode_kernels, name, lambda *a, _r=real, _n=name: taken.append(_n) or _r(*a))
+    q = torch.randn(1, 4, 1, 16)
+    keys, values = torch.randn(1, 2, 70, 16), torch.randn(1, 2, 70, 16)
+    for dtype in (torch.float32, torch.bfloat16):
+        qd, kd, vd = (t.to(dtype) for t in (q, keys, values))
+        out = moba_decode(qd, kd, vd, block_keys_from_cache(kd, 8), block_size=8, top_k=3)
+        want = moba_attention_reference(qd, kd, vd, block_size=8, top_k=3)
+        assert out.dtype == dtype
+        tol = rounding_tol(torch.float32, 1, 70, 16) if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+        torch.testing.assert_close(out, want, rtol=tol, atol=tol)
+    assert taken == ["_attend_in_place", "_attend_windows"]
+
+
+@pytest.mark.parametrize(
+    "starts, message",
+    [
+        (torch.tensor([0.0, 3.0]), "got a torch.float32 tensor [0.0, 3.0]"),
+        (torch.tensor([0.5, 3.0], dtype=torch.float64), "got a torch.float64 tensor [0.5, 3.0]"),
+        (torch.tensor([True, False]), "got a torch.bool tensor [True, False]"),
+        ([0, 3], "got list [0, 3]"),
+        (torch.tensor([0, 3, 1]), "got shape (3,)"),
+    ],
+    ids=["float32", "float64", "bool", "list", "shape"],
+)
+def test_decode_refuses_starts_that_are_not_integer_positions(starts, message):
+    q, keys = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 20, 8)
+    accepted = "starts must be None or a [B=2] integer tensor (int64, int32, int16, int8 or uint8) of cache positions"
+    with pytest.raises(ValueError, match=re.escape(f"{accepted}, {message}")):
+        moba_decode(q, keys, keys, block_keys_from_cache(keys, 4), block_size=4, top_k=2, starts=starts)
+
+
+@pytest.mark.parametrize("starts", [[-1, 0], [0, 20]])
+def test_decode_refuses_starts_out_of_range(starts):
+    q, keys = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 20, 8)
+    message = f"starts must be [B=2] cache positions in 0..19 (at least Nq=1 tokens after them, Nk=20), got {starts}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        moba_decode(q, keys, keys, block_keys_from_cache(keys, 4), block_size=4, top_k=2, starts=torch.tensor(starts))
+
+
+def test_decode_accepts_every_integer_starts_dtype():
+    q, keys = torch.randn(2, 4, 1, 8, dtype=torch.float64), torch.randn(2, 2, 20, 8, dtype=torch.float64)
+    want = moba_decode(q, keys, keys, block_keys_from_cache(keys, 4, starts=torch.tensor([0, 5])), block_size=4,
+                       top_k=2, starts=torch.tensor([0, 5]))  # fmt: skip
+    for dtype in (torch.int32, torch.int16, torch.int8, torch.uint8):
+        starts = torch.tensor([0, 5], dtype=dtype)
+        got = moba_decode(q, keys, keys, block_keys_from_cache(keys, 4, starts=starts.long()), block_size=4,
+                          top_k=2, starts=starts)  # fmt: skip
+        assert torch.equal(got, want)
+
+
+def test_decode_refuses_integer_block_keys():
+    q, keys = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 20, 8)
+    with pytest.raises(
+        ValueError, match="block_keys must be a floating-point tensor \\(the pooled keys\\), got torch.int64"
+    ):
+        moba_decode(q, keys, keys, torch.zeros(1, 2, 5, 8, dtype=torch.long), block_size=4, top_k=2)
 
 
 def test_decode_kernel_float32_and_bad_args():
@@ -70,19 +185,22 @@ def test_decode_kernel_float32_and_bad_args():
 
 
 # --- the running block state ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("read_every", [1, 3])  # pooled keys re-derived for the blocks of several appends at once
 @pytest.mark.parametrize("pooling", ["mean", "max", "mean+max", "bound"])
-def test_block_state_equals_recomputation_after_every_append(pooling):
+def test_block_state_equals_recomputation_after_every_append(pooling, read_every):
     bs, b, hkv, d = 4, 3, 2, 5
-    keys = torch.randn(b, hkv, 40, d, dtype=torch.float64)
-    real = torch.ones(b, 40, dtype=torch.bool)
+    keys = torch.randn(b, hkv, 44, d, dtype=torch.float64)
+    real = torch.ones(b, 44, dtype=torch.bool)
     real[1, :3] = False  # left padding
     real[2, :9] = False
     state = moba_cache.BlockState(keys, bs, pooling)
     n = 0
-    for chunk in (11, 1, 1, 7, 1, 1, 1, 5, 12):  # prefill, decode steps and chunks crossing blocks
+    for i, chunk in enumerate((11, 1, 1, 7, 1, 1, 1, 5, 12, 1, 1, 1, 1)):  # prefill, decode steps, chunks
         state.append(keys[:, :, n : n + chunk], real[:, n : n + chunk])
         n += chunk
         assert state.n == n and state.contiguous_rows()
+        if i % read_every:
+            continue
         assert state.counts.tolist() == real[:, :n].sum(-1).tolist()
         want = block_keys_from_cache(keys[:, :, :n], bs, pooling, state.starts)
         # a block's sum of bs keys, added in another order: bs roundings of the largest key
@@ -178,73 +296,69 @@ def test_stepwise_cached_decoding_equals_full_forward(arch, decode, monkeypatch)
         assert spy.decodes == 0
 
 
-def test_steps_below_the_crossover_run_dense_and_the_first_sparse_step_builds_the_block_state(monkeypatch):
-    # crossover 4 blocks of 5: a step whose cache holds <= 15 tokens (positions 8..14) is dense, later ones sparse
-    monkeypatch.setenv("MOBA_HF_DECODE_CROSSOVER", "4")
-    model = tiny_model("llama", MobaConfig(block_size=5, top_k=2, decode="moba"))
+# --- decode="moba" is MoBA at every step, on every machine and in every process ------------------------------------
+GREEDY = MobaConfig(block_size=4, top_k=2, decode="moba")
+PROMPT, NEW = 6, 26  # decode steps over caches of 7 .. 31 tokens: 2 .. 8 blocks
+_GENERATE = """
+import json, sys, torch
+sys.path.insert(0, {tests!r})
+from tiny_models import tiny_model
+from moba_hf import MobaConfig
+torch.manual_seed(0)
+model = tiny_model("llama", MobaConfig(block_size=4, top_k=2, decode="moba"))
+ids = torch.randint(0, 97, (2, {prompt}))
+out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens={new}, do_sample=False, eos_token_id=None)
+print(json.dumps(out.tolist()))
+"""
+
+
+def _greedy(arch: str):
+    """Greedy tokens (no end token: NEW of them, each the argmax of its logits) and their logits."""
+    torch.manual_seed(0)  # the weights and prompt _GENERATE builds
+    model = tiny_model(arch, GREEDY)
+    ids = torch.randint(0, 97, (2, PROMPT))
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+        return_dict_in_generate=True, output_logits=True,
+    )  # fmt: skip
+    return model, out.sequences, torch.stack(out.logits, dim=1)  # [B, NEW, vocab]: each token's logits
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_cached_greedy_decoding_equals_the_full_forward_of_each_prefix(arch, monkeypatch):
+    # nothing in the environment decides the math (a variable of that name is read by nothing)
+    monkeypatch.setenv("MOBA_HF_DECODE_CROSSOVER", "1000")
     spy = Spy(monkeypatch)
-    ids = torch.randint(0, 97, (2, 29))
-    prompt = 8
+    model, seq, logits = _greedy(arch)
     with torch.no_grad():
-        want = _full_forward(model, ids, "moba", prompt, dense_end=15)
-        cache = DynamicCache(config=model.config)
-        got = [model(ids[:, :prompt], **{CACHE: cache}, use_cache=True).logits]
-        for t in range(prompt, ids.shape[1]):
-            got.append(model(ids[:, t : t + 1], **{CACHE: cache}, use_cache=True).logits)
-    torch.testing.assert_close(torch.cat(got, dim=1), want, rtol=MODEL_TOL, atol=MODEL_TOL)
-    layers = model.config.num_hidden_layers
-    assert (spy.decodes, spy.builds) == ((29 - 15) * layers, layers)  # built once, at the first sparse step
-
-
-def test_crossover_is_measured_once_per_setting(monkeypatch):
-    from moba_hf.kernels import decode as decode_kernels
-
-    monkeypatch.delenv("MOBA_HF_DECODE_CROSSOVER")
-    monkeypatch.setattr(decode_kernels, "_crossovers", {})
-    lengths = []
-
-    def times(q, hkv, n, **kw):  # sparse wins from 4096 keys on
-        lengths.append(n)
-        return (1.0, 2.0) if n >= 4096 else (2.0, 1.0)
-
-    monkeypatch.setattr(decode_kernels, "step_times", times)
-    q, k = torch.zeros(1, 4, 1, 8), torch.zeros(1, 2, 9, 8)
-    gate = GateOptions(sink_blocks=1)
-    found = decode_kernels.decode_crossover(q, k, block_size=256, top_k=3, gate=gate)
-    assert (found, lengths) == (20, [1280, 2560, 5120])  # from top_k + sink + 1 = 5 blocks, doubling
-    assert decode_kernels.decode_crossover(q, k, block_size=256, top_k=3, gate=gate) == 20 and len(lengths) == 3
-    # sparse never faster up to 64K keys: twice the longest length tried
-    monkeypatch.setattr(decode_kernels, "step_times", lambda q, hkv, n, **kw: (2.0, 1.0))
-    assert decode_kernels.decode_crossover(q, k, block_size=4096, top_k=3, gate=gate) == 2 * 10
-
-
-def test_only_decode_steps_measure_the_crossover(monkeypatch):
-    from moba_hf.kernels import decode as decode_kernels
-
-    monkeypatch.delenv("MOBA_HF_DECODE_CROSSOVER")
-    monkeypatch.setattr(decode_kernels, "_crossovers", {})
-    measured = []
-    monkeypatch.setattr(decode_kernels, "_measure_crossover", lambda *a: measured.append(1) or 1)
-    model = tiny_model("llama", MobaConfig(block_size=4, top_k=2, decode="moba"))
-    ids = torch.randint(0, 97, (1, 30))
+        full = model(seq[:, :-1]).logits[:, PROMPT - 1 :]  # the forward without a cache, every prefix at once
+    # generate hands back float32 logits: one float32 rounding on top of the float64 model's
+    tol = MODEL_TOL + torch.finfo(torch.float32).eps * float(full.abs().max())
+    torch.testing.assert_close(logits.double(), full, rtol=0, atol=tol)
+    assert torch.equal(full.argmax(-1), seq[:, PROMPT:])
+    assert spy.decodes == (NEW - 1) * model.config.num_hidden_layers  # every step sparse, from the first block on
+    # the check can fail: dense decode steps over the same caches give other logits
     with torch.no_grad():
-        cache = DynamicCache(config=model.config)
-        model(ids[:, :20], **{CACHE: cache}, use_cache=True)  # a cached prefill
-        model(ids[:, 20:29], **{CACHE: cache}, use_cache=True)  # a chunk past DECODE_MAX_QUERIES
-        assert measured == []
-        model(ids[:, 29:], **{CACHE: cache}, use_cache=True)  # a decode step: measured once for all layers
-    assert measured == [1]
+        dense = _full_forward(model, seq[:, :-1], "full", PROMPT)[:, PROMPT - 1 :]
+    assert float((dense - full).abs().max()) > 1e3 * MODEL_TOL
 
 
-@pytest.mark.parametrize("value", ["-1", "two", "1.5"])
-def test_a_bad_crossover_override_is_refused(value, monkeypatch):
-    from moba_hf.kernels.decode import decode_crossover
-
-    monkeypatch.setenv("MOBA_HF_DECODE_CROSSOVER", value)
-    with pytest.raises(
-        ValueError, match=f"MOBA_HF_DECODE_CROSSOVER must be a whole number of blocks >= 0, got '{value}'"
-    ):
-        decode_crossover(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 4, 4), block_size=2, top_k=1, gate=GateOptions())
+def test_a_second_process_on_a_loaded_machine_generates_the_same_tokens(monkeypatch):
+    monkeypatch.delenv("MOBA_HF_DECODE_CROSSOVER", raising=False)
+    model, want, _ = _greedy("llama")
+    with torch.no_grad():  # each token is the argmax of the full forward of its prefix
+        assert torch.equal(model(want[:, :-1]).logits[:, PROMPT - 1 :].argmax(-1), want[:, PROMPT:])
+    code = _GENERATE.format(tests=str(Path(__file__).parent), prompt=PROMPT, new=NEW)
+    env = {k: v for k, v in os.environ.items() if k != "MOBA_HF_DECODE_CROSSOVER"}
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]  # both cores taken
+    try:
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == want.tolist()
 
 
 @pytest.mark.parametrize("decode", ["moba", "full"])

@@ -3,10 +3,10 @@ prefill stays sparse; in the kernels (forward, gradients, NaN), DCA, the models,
 
 from __future__ import annotations
 
-import conftest
 import pytest
+import tiny_models
 import torch
-from kernel_cases import case_tol, moba_inputs, model_tol, rounding_tol, selection
+from kernel_cases import CASES, case_tol, moba_inputs, model_tol, rounding_tol, selection
 from kernel_cases import shape_id as _id
 
 import moba_hf
@@ -16,14 +16,7 @@ from moba_hf.kernels import moba_attention, moba_attention_reference
 from moba_hf.kernels.dca import dca_attention
 from moba_hf.kernels.rope import default_inv_freq
 
-# (B, Hq, Hkv, Nq, Nk, D, block_size, top_k)
-SHAPES = [
-    (2, 4, 2, 63, 63, 16, 16, 3),  # odd length, GQA, batch > 1
-    (1, 4, 1, 40, 111, 16, 20, 2),  # Nq < Nk (a chunk after cached keys), MQA
-    (2, 6, 3, 30, 77, 12, 10, 1),  # top_k = 1: own block only
-    (1, 3, 3, 50, 50, 8, 7, 100),  # top_k >= blocks: plain causal
-    (2, 2, 2, 1, 50, 8, 16, 3),  # one query
-]
+SHAPES = [CASES[name] for name in ("odd", "chunk", "own-block", "causal", "decode")]
 GATE = {"pooling": "bound", "sink_blocks": 1, "local_blocks": 1}
 
 
@@ -74,6 +67,23 @@ def test_nan_and_inf_propagate_as_in_the_reference(which, index, bad):
     kw = dict(block_size=8, top_k=2)
     got = moba_attention(q, k, v, dense_tail=12, backend="torch", **kw)
     torch.testing.assert_close(got, expected(q, k, v, 12, **kw), rtol=1e-12, atol=1e-12, equal_nan=True)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("tail", [64, 100])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_tail_covering_every_query_keeps_a_bad_value_in_the_rows_attending_it(bad, tail, backend):
+    """dense_tail >= Nq runs dense causal attention for every row: a NaN / inf value reaches only the rows at or
+    after it (SDPA's causal kernel spread 0 * NaN to the rows before it)."""
+    shape = (1, 2, 1, 64, 64, 8, 8, 2)
+    q, k, v = moba_inputs(shape, requires_grad=False)
+    v[0, 0, 40, 1] = bad
+    kw = dict(block_size=8, top_k=2)
+    want = expected(q, k, v, tail, **kw)
+    assert want[:, :, :40].isfinite().all() and not want[:, :, 40:, 1].isfinite().any()
+    got = moba_attention(q, k, v, dense_tail=tail, backend=backend, **kw)
+    tol = case_tol(shape, q.dtype)
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol, equal_nan=True)
 
 
 @pytest.mark.parametrize("tail", [-1, 1.5, True, "4"])
@@ -145,17 +155,17 @@ TAILED = MobaConfig(block_size=4, top_k=2, dense_tail=6)
 
 
 def test_model_tail_covering_the_prompt_equals_dense(one_thread):
-    model = conftest.tiny_model("llama")
+    model = tiny_models.tiny_model("llama")
     ids = torch.randint(0, 97, (1, 30))
     want = model(ids).logits
     moba_hf.apply(model, MobaConfig(block_size=4, top_k=2, dense_tail=30))
-    torch.testing.assert_close(model(ids).logits, want, rtol=0, atol=model_tol(conftest.TINY, 30))
+    torch.testing.assert_close(model(ids).logits, want, rtol=0, atol=model_tol(tiny_models.TINY, 30))
     moba_hf.apply(model, TAILED)
     assert (model(ids).logits - want).abs().max() > 1e-3  # the head rows stay sparse
 
 
 def test_model_sparsity_counts_the_tail_and_decode_stays_sparse(one_thread):
-    model = conftest.tiny_model("llama", TAILED)
+    model = tiny_models.tiny_model("llama", TAILED)
     ids = torch.randint(0, 97, (1, 40))
     with moba_hf.track_sparsity() as stats:
         model(ids)
@@ -170,7 +180,7 @@ def test_model_sparsity_counts_the_tail_and_decode_stays_sparse(one_thread):
 
 
 def test_model_cached_multi_token_step_runs_its_tail_densely(one_thread):
-    model = conftest.tiny_model("llama", TAILED)
+    model = tiny_models.tiny_model("llama", TAILED)
     ids = torch.randint(0, 97, (1, 44))
     out = model(ids[:, :40], use_cache=True)
     with moba_hf.track_sparsity() as stats:
@@ -179,7 +189,7 @@ def test_model_cached_multi_token_step_runs_its_tail_densely(one_thread):
 
 
 def test_model_left_padded_batch_equals_single_sequences(one_thread):
-    model = conftest.tiny_model("llama", TAILED, pad_token_id=0)
+    model = tiny_models.tiny_model("llama", TAILED, pad_token_id=0)
     seqs = [torch.randint(1, 97, (n,)) for n in (23, 9, 16)]
     width = max(len(s) for s in seqs)
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -190,15 +200,15 @@ def test_model_left_padded_batch_equals_single_sequences(one_thread):
     batched = model(ids, attention_mask=mask, position_ids=positions).logits
     for row, s in enumerate(seqs):
         single = model(s[None]).logits[0]
-        torch.testing.assert_close(batched[row, width - len(s) :], single, rtol=0, atol=model_tol(conftest.TINY, 23))
+        torch.testing.assert_close(batched[row, width - len(s) :], single, rtol=0, atol=model_tol(tiny_models.TINY, 23))
 
 
 def test_model_dca_tail_covering_the_prompt_equals_dense_dca(one_thread):
     dca = DcaConfig(chunk_size=12)
     ids = torch.randint(0, 97, (1, 40))
-    dense = conftest.tiny_model("llama", MobaConfig(sparse=False, dca=dca), max_position_embeddings=16)
+    dense = tiny_models.tiny_model("llama", MobaConfig(sparse=False, dca=dca), max_position_embeddings=16)
     want = dense(ids).logits
-    tailed = conftest.tiny_model("llama", MobaConfig(block_size=4, top_k=2, dca=dca, dense_tail=40),
+    tailed = tiny_models.tiny_model("llama", MobaConfig(block_size=4, top_k=2, dca=dca, dense_tail=40),
                                  max_position_embeddings=16)  # fmt: skip
     tailed.load_state_dict(dense.state_dict())
     torch.testing.assert_close(tailed(ids).logits, want, rtol=0, atol=1e-9)

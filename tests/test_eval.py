@@ -3,6 +3,9 @@
 import argparse
 import json
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -300,9 +303,9 @@ def test_ppl_command(tiny_dir, tmp_path, mode):
 
 
 def test_result_store_refuses_a_changed_setting(tmp_path):
-    store = ResultStore(tmp_path, "passkey", {"a": 1}, {"name": "m"})
-    store.add_setting(parse_setting("x=moba:top_k=2"))
-    store.write([], "")
+    with ResultStore(tmp_path, "passkey", {"a": 1}, {"name": "m"}) as store:
+        store.add_setting(parse_setting("x=moba:top_k=2"))
+        store.write([], "")
     again = ResultStore(tmp_path, "passkey", {"a": 1}, {"name": "m"})
     again.add_setting(parse_setting("x=moba:top_k=2"))
     with pytest.raises(RunMismatch, match="has moba.top_k=2, this run defines it with moba.top_k=3"):
@@ -310,9 +313,9 @@ def test_result_store_refuses_a_changed_setting(tmp_path):
 
 
 def test_result_store_reads_a_setting_written_before_a_field_existed(tmp_path):
-    store = ResultStore(tmp_path, "passkey", {"a": 1}, {"name": "m"})
-    store.add_setting(parse_setting("x=moba:top_k=2,dense_tail=0"))
-    store.write([], "")
+    with ResultStore(tmp_path, "passkey", {"a": 1}, {"name": "m"}) as store:
+        store.add_setting(parse_setting("x=moba:top_k=2,dense_tail=0"))
+        store.write([], "")
     run = json.loads((tmp_path / RUN_FILE).read_text())
     del run["settings"]["x"]["moba"]["dense_tail"]  # as an older version wrote it
     (tmp_path / RUN_FILE).write_text(json.dumps(run))
@@ -379,7 +382,7 @@ def test_a_torn_last_line_is_dropped_and_its_trial_rerun(tiny, tokenizer, tmp_pa
 
 def test_a_corrupt_middle_line_is_refused_with_its_line_number(tmp_path):
     (tmp_path / RUN_FILE).write_text(json.dumps({"task": "passkey", "model": {}, "params": {}, "settings": {}}))
-    (tmp_path / TRIALS_FILE).write_text('{"key": "a"}\nnot json\n{"key": "b"}\n')
+    (tmp_path / TRIALS_FILE).write_text('{"key": "a", "setting": "s"}\nnot json\n{"key": "b", "setting": "s"}\n')
     with pytest.raises(ValueError, match="line 2 is not a trial record"):
         ResultStore(tmp_path, "passkey", {}, {})
 
@@ -403,10 +406,22 @@ def test_lengths_parsing():
         eval_cli.parse_lengths("big")
 
 
-def test_eval_is_a_moba_hf_subcommand():
-    from moba_hf.cli import COMMAND_MODULES
+def test_eval_and_lm_eval_are_moba_hf_subcommands():
+    """`moba-hf --help` lists both, and `moba-hf eval --help` every task, in a fresh interpreter as a user runs it."""
 
-    assert "moba_hf.eval.cli" in COMMAND_MODULES
+    def help_text(*argv: str) -> str:
+        code = f"from moba_hf import cli; cli.main({list(argv)!r})"
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    commands = help_text("--help")
+    assert re.search(r"^\s+eval\s+long-context evaluation", commands, re.M)
+    assert re.search(r"^\s+lm-eval\s+lm-eval's command line", commands, re.M)
+    tasks = re.findall(r"^ {4}([\w-]+)", help_text("eval", "--help"), re.M)
+    assert tasks == ["passkey", "niah", "ppl", "sweep", "lm-eval-data"]
+    args = cli.build_parser(["eval", "passkey"]).parse_args(["eval", "passkey", "--allow-changed"])
+    assert args.func is eval_cli._run_passkey and args.allow_changed
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ import inspect
 import sys
 from pathlib import Path
 
+import kernel_cases
 import pytest
 import torch
 from kernel_cases import assert_propagates_like_reference, flash_atol, rounding_tol
@@ -33,18 +34,8 @@ FAKE = Path(__file__).parent / "fake_flash_attn"
 HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 _MODULES = ("flash_attn", "moba_hf.kernels.flash")
 
-# (B, Hq, Hkv, Nq, Nk, D, block_size, top_k)
-SHAPES = [
-    (2, 4, 2, 63, 63, 16, 16, 3),  # odd length, GQA, batch > 1, partial last block
-    (1, 8, 2, 111, 111, 60, 16, 3),  # T=111, D=60
-    (1, 4, 1, 40, 111, 16, 20, 2),  # chunked prefill Nq < Nk, MQA, first query block cut
-    (2, 2, 2, 1, 50, 8, 16, 3),  # decode Nq = 1
-    (2, 4, 1, 1, 50, 8, 16, 3),  # decode with GQA: flash-attn's one-query-per-sequence path
-    (2, 6, 3, 30, 77, 12, 10, 1),  # top_k = 1: own block only
-    (1, 3, 3, 50, 50, 8, 7, 100),  # top_k >= blocks: plain causal
-    (1, 2, 1, 33, 33, 8, 64, 3),  # block_size >= Nk
-    (1, 2, 1, 300, 300, 8, 8, 4),  # many blocks
-]
+# the shared cases and decode with GQA: flash-attn's one-query-per-sequence path
+SHAPES = [*kernel_cases.SHAPES, (2, 4, 1, 1, 50, 8, 16, 3)]
 GATES = [
     {"pooling": "max", "sink_blocks": 1},
     {"pooling": "mean+max", "local_blocks": 1},

@@ -2,10 +2,10 @@
 
 import logging
 
-import conftest
 import pytest
+import tiny_models
 import torch
-from conftest import ARCHS
+from tiny_models import ARCHS
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 import moba_hf
@@ -13,7 +13,7 @@ from moba_hf import MobaConfig
 
 
 def tiny_model(arch, **config):
-    return conftest.tiny_model(arch, layers=3, **config)
+    return tiny_models.tiny_model(arch, layers=3, **config)
 
 
 @pytest.fixture(params=sorted(ARCHS))

@@ -4,9 +4,11 @@ is untouched (see `kernels.common.propagate_nonfinite`)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
-from kernel_cases import case_tol, moba_inputs, poisoned_inputs, rounding_tol, rows_that_see
+from kernel_cases import CASES, case_tol, fwd_bwd, moba_inputs, poisoned_inputs, rounding_tol, rows_that_see
 from kernel_cases import shape_id as _id
 
 from moba_hf.dca import dca_attention, relative_positions
@@ -27,9 +29,9 @@ from moba_hf.kernels.torch_impl import moba_attention_torch
 NAN, INF = float("nan"), float("inf")
 # (B, Hq, Hkv, Nq, Nk, D, block_size, top_k)
 SHAPES = [
-    (2, 4, 2, 63, 63, 16, 16, 3),  # GQA, partial last block, gated picks by max passes
-    (1, 4, 1, 40, 111, 16, 20, 2),  # Nq < Nk
-    (1, 3, 3, 50, 50, 8, 7, 100),  # top_k >= blocks: causal (the fused kernel zeroed NaN query rows here)
+    CASES["odd"],  # GQA, partial last block, gated picks by max passes
+    CASES["chunk"],  # Nq < Nk
+    CASES["causal"],  # top_k >= blocks: causal (a fused kernel could zero NaN query rows here)
     (1, 2, 1, 300, 300, 8, 8, 5),  # many blocks, picks by topk
     (1, 2, 1, 520, 520, 8, 256, 2),  # own blocks in causal tiles of 128
 ]
@@ -175,6 +177,99 @@ def test_good_scales_are_accepted():
         torch.testing.assert_close(moba_attention(q, k, v, block_size=4, top_k=2, scale=scale), expected)
 
 
+# (Nq, Nk): a prefill (the fused causal kernel), a chunk after cached keys, one query
+EDGE_SHAPES = [(24, 24), (10, 24), (1, 24)]
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("scale", [1e-300, 1e-46, 1e-40])
+@pytest.mark.parametrize("nq,nk", EDGE_SHAPES)
+def test_tiny_scale_averages_the_attended_values(nq, nk, scale, dtype, backend):
+    """A scale too small for float32 scores (below 2**-150 it rounds to 0) makes every score 0 in the reference's
+    arithmetic, and a subnormal one makes every exp() 1: each row averages the values it attends, as the
+    reference and SDPA's math kernel compute; SDPA's fused CPU causal kernel (its -inf mask times a scale of 0)
+    and with it the torch backend and the dense paths returned NaN."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g, dtype=dtype) for n in (nq, nk, nk))
+    prefix_mean = v.cumsum(dim=2) / torch.arange(1, nk + 1, dtype=dtype)[:, None]
+    tol = rounding_tol(dtype, nk, nk, 8)
+    for top_k in (2, 100):
+        out = moba_attention(q, k, v, block_size=4, top_k=top_k, scale=scale, backend=backend)
+        expected = moba_attention_reference(q, k, v, block_size=4, top_k=top_k, scale=scale)
+        assert expected.isfinite().all()
+        torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+    dense = {
+        "top_k covering every block": out,
+        "causal_attention": causal_attention(q, k, v, scale=scale),
+        "dense tail": moba_attention(q, k, v, block_size=4, top_k=2, scale=scale, backend=backend, dense_tail=nq),
+    }
+    for name, got in dense.items():
+        torch.testing.assert_close(
+            got, prefix_mean[:, :, nk - nq :], atol=tol, rtol=tol, msg=lambda m, n=name: f"{n}: {m}"
+        )
+    grad = torch.randn(q.shape, generator=g, dtype=dtype)  # the backward's causal pieces take the same care
+    kw = dict(block_size=4, top_k=2, scale=scale)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    want = fwd_bwd(moba_attention_reference, *leaves, grad, **kw)
+    for name, got, w in zip(
+        ("out", "dq", "dk", "dv"), fwd_bwd(_backend(backend), *leaves, grad, **kw), want, strict=True
+    ):
+        torch.testing.assert_close(got, w, atol=tol, rtol=tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _backend(name):
+    return lambda *a, **kw: moba_attention(*a, backend=name, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1e39, 1e300])
+def test_scale_past_float32_is_refused_where_scores_are_float32(scale, dtype):
+    """Scores are float32 for float32 and 16-bit inputs: a larger scale would be inf there (every score inf or NaN,
+    with NaN patterns that differ between kernels, SDPA's included)."""
+    q, k, v = (t.to(dtype) for t in _qkv())
+    message = (
+        re.escape("scale must be at most 3.40282e+38") + f".* for {dtype} inputs, .*; got " + re.escape(repr(scale))
+    )
+    with pytest.raises(ValueError, match=message):
+        moba_attention(q, k, v, block_size=4, top_k=2, scale=scale)
+    with pytest.raises(ValueError, match="scale must be at most"):
+        causal_attention(q, k, v, scale=scale)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_huge_scale_in_float64_follows_the_reference(backend):
+    """float64 scores hold scale 1e300: the reference's finite result (the row's best key), on every backend."""
+    q, k, v = (t.double() for t in _qkv(nq=24, nk=24))
+    for top_k in (2, 100):
+        expected = moba_attention_reference(q, k, v, block_size=4, top_k=top_k, scale=1e300)
+        assert expected.isfinite().all()
+        out = moba_attention(q, k, v, block_size=4, top_k=top_k, scale=1e300, backend=backend)
+        torch.testing.assert_close(out, expected, atol=rounding_tol(torch.float64, 24, 24, 4), rtol=0)
+    torch.testing.assert_close(causal_attention(q, k, v, scale=1e300), expected, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("pooling", ["mean", "max", "mean+max", "bound"])
+@pytest.mark.parametrize("value", [INF, -INF], ids=["inf", "-inf"])
+@pytest.mark.parametrize("nq,nk", EDGE_SHAPES)
+def test_top_k_covering_every_block_is_causal_attention_with_inf_keys(nq, nk, value, pooling, backend):
+    """An inf key makes its block's gate score -inf for the queries pointing away from it: the block is still a
+    candidate (ranked last), so top_k >= the blocks attends every earlier block, exactly causal attention, NaN
+    and inf patterns included (a skipped block put finite rows 1.8 off). Blocks of 8 with top_k 3 pick by max
+    passes, blocks of 4 with top_k 6 or 100 by topk."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g, dtype=torch.float64) for n in (nq, nk, nk))
+    k[0, 0, 5, 0] = value
+    k[0, 1, 13, 3] = value
+    expected = causal_attention(q, k, v)
+    assert expected.isfinite().any(dim=-1).any() and expected.isnan().any()  # both kinds of rows occur
+    tol = rounding_tol(torch.float64, nq, nk, 8)
+    for block_size, top_k in ((8, 3), (4, 6), (4, 100)):
+        out = moba_attention(q, k, v, block_size=block_size, top_k=top_k, pooling=pooling, backend=backend)
+        _same_nonfinite(out, expected, tol)
+
+
 def test_causal_attention_refuses_more_queries_than_keys():
     q, k, v = moba_inputs((1, 2, 2, 9, 8, 4, 4, 2), requires_grad=False)
     with pytest.raises(ValueError, match="need 1 <= Nq <= Nk"):
@@ -269,7 +364,13 @@ HOSTILE = {
     "k v shapes": (lambda: moba_attention(*_qkv()[:2], torch.randn(1, 2, 7, 4), block_size=4, top_k=2), "same shape"),
     "batch mismatch": (lambda: moba_attention(_qkv(b=2)[0], *_qkv()[1:], block_size=4, top_k=2), "must agree"),
     "gqa 3 of 2": (lambda: moba_attention(*_qkv(hq=3), block_size=4, top_k=2), "multiple of key/value heads"),
-    "zero heads": (lambda: moba_attention(*_qkv(hq=0, hkv=0), block_size=4, top_k=2), "multiple of key/value heads"),
+    "zero heads": (lambda: moba_attention(*_qkv(hq=0, hkv=0), block_size=4, top_k=2), "query heads \\(dim 1\\)"),
+    "zero query heads": (lambda: moba_attention(*_qkv(hq=0), block_size=4, top_k=2), "query heads \\(dim 1\\) must be"),
+    "zero query heads, reference": (
+        lambda: moba_attention(*_qkv(hq=0), block_size=4, top_k=2, backend="reference"),
+        "query heads \\(dim 1\\) must be >= 1, got q shape \\(1, 0, 8, 4\\)",
+    ),
+    "zero query heads, causal": (lambda: causal_attention(*_qkv(hq=0)), "query heads \\(dim 1\\) must be >= 1"),
     "Nq 0": (lambda: moba_attention(*_qkv(nq=0), block_size=4, top_k=2), "need 1 <= Nq <= Nk"),
     "Nk 0": (lambda: moba_attention(*_qkv(nq=0, nk=0), block_size=4, top_k=2), "need 1 <= Nq <= Nk"),
     "decode starts": (

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from conftest import tiny_model
+from tiny_models import tiny_model
 from transformers import AutoModelForCausalLM
 
 import moba_hf

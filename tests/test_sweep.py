@@ -112,3 +112,23 @@ def test_grid_entries_from_setting_strings():
         dense_tail=64,
     )  # fmt: skip
     assert sweep.grid_entry("b64-k5-f0-dense0+1-poolingbound-sink1-local1-tail64")[1] == dense_first
+
+
+def test_sweep_resume_refuses_other_weights_under_the_same_name(tokenizer, tmp_path, one_thread):
+    """The sweep resumes by the evaluations' one rule: the weights are fingerprinted, not only named."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
+                                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    run = {"lengths": [128], "trials": 1, "text_ids": None, "out_dir": tmp_path, "batch": 1, "progress": False,
+           "families": ["passkey"], "model_name": "mine"}  # fmt: skip
+    sweep.run_sweep(model, tokenizer, [("sdpa", None)], **run)
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] += 1.0
+    with pytest.raises(RunMismatch, match='model.weights="params:sha256:.*this run has model.weights="params:sha256:'):
+        sweep.run_sweep(model, tokenizer, [("sdpa", None)], **run)
+    rows = sweep.run_sweep(model, tokenizer, [("sdpa", None)], **run, allow_changed=True)
+    assert rows[0].error is None
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert list(saved["changes"][0]["differences"]) == ["model.weights"]

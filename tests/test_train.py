@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import train_model
+from tiny_models import train_model
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 import moba_hf
@@ -165,7 +165,7 @@ def test_lora_and_trainable_subsets(tmp_path):
 
 
 def test_config_errors_and_overrides(tmp_path):
-    with pytest.raises(ValueError, match=r"schedule.moba_fraction must be \[0, 1\], got 1.5"):
+    with pytest.raises(ValueError, match=r"schedule.moba_fraction must be a number in \[0, 1\], got 1.5"):
         TrainConfig.from_dict({"schedule": {"moba_fraction": 1.5}})
     with pytest.raises(ValueError, match="unknown keys \\['lr'\\] in \\[train\\]"):
         TrainConfig.from_dict({"train": {"lr": 1}})
@@ -192,3 +192,117 @@ def test_shipped_configs_load(name):
 
     config = TrainConfig.from_file(Path(__file__).parent.parent / "configs" / name)
     assert config.data.seq_len >= config.moba.block_size
+
+
+@pytest.mark.parametrize(
+    ("override", "shown"),
+    [
+        ("abc", "'abc'"),
+        ('"1e-4"', "'1e-4' (a quoted number is a string"),  # --set reads literals: quoted is a string, as in TOML
+        ("inf", "'inf'"),  # not a Python literal: the bare string "inf"
+        ("-1e-4", "-0.0001"),
+        ("0", "0"),
+        ("true", "True"),
+    ],
+)
+def test_a_bad_learning_rate_names_key_value_and_range(tmp_path, override, shown):
+    path = tmp_path / "c.toml"
+    path.write_text("[train]\nmax_steps = 2\n")
+    with pytest.raises(ValueError) as err:
+        load_config(str(path), [f"train.learning_rate={override}"])
+    assert str(err.value).startswith(f"train.learning_rate must be a finite number > 0, got {shown}")
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+def test_a_non_finite_number_in_the_file_is_refused(tmp_path, value):
+    path = tmp_path / "c.toml"
+    path.write_text(f"[train]\nlearning_rate = {value}\n[schedule]\nmoba_fraction = 1.0\n")  # TOML floats
+    with pytest.raises(ValueError, match=rf"train.learning_rate must be a finite number > 0, got {value}"):
+        load_config(str(path))
+
+
+def test_every_key_is_type_checked():
+    cases = {
+        ("train", "max_steps", 2.5): "train.max_steps must be an integer >= 1, got 2.5",
+        ("train", "batch_size", True): "train.batch_size must be an integer >= 1, got True",
+        ("data", "seq_len", "64"): "data.seq_len must be an integer >= 2, got '64' (a quoted number",
+        ("model", "trainable", "q_proj"): "model.trainable must be a list of strings, got 'q_proj'",
+        ("train", "use_cpu", 1): "train.use_cpu must be true or false or none, got 1",
+        ("train", "max_grad_norm", float("nan")): "train.max_grad_norm must be a finite number >= 0",
+        ("lora", "dropout", 1.0): "lora.dropout must be a number in [0, 1), got 1.0",
+    }
+    for (section, key, value), message in cases.items():
+        with pytest.raises(ValueError) as err:
+            TrainConfig.from_dict({section: {key: value}})
+        assert str(err.value).startswith(message), (key, str(err.value))
+    config = TrainConfig.from_dict({"train": {"learning_rate": 1, "use_cpu": None}, "data": {"max_documents": None}})
+    assert config.train.learning_rate == 1
+
+
+def test_cli_refuses_a_bad_value_in_one_line(tmp_path, capsys):
+    from moba_hf.cli import main
+
+    path = tmp_path / "c.toml"
+    path.write_text("[train]\nmax_steps = 2\n")
+    assert main(["train", str(path), "--set", "train.learning_rate=abc"]) == 2
+    err = capsys.readouterr().err
+    assert err == "moba-hf train: error: train.learning_rate must be a finite number > 0, got 'abc'\n"
+    assert main(["train", str(path), "--allow-config-change"]) == 2
+    assert "--allow-config-change applies to a resume: add --resume" in capsys.readouterr().err
+
+
+def short_window_model(positions):
+    from tiny_models import TINY, TRAIN
+    from transformers import AutoConfig
+
+    torch.manual_seed(0)
+    sizes = {**TINY, **TRAIN, "num_hidden_layers": 1, "max_position_embeddings": positions}
+    config = AutoConfig.for_model("llama", **sizes)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).train()
+
+
+def doc(ids):
+    return Document(ids, list(ids))
+
+
+def rows_of(length, n_docs=4, seq_len=None):
+    """n_docs documents of `length` tokens, packed into rows of `seq_len` (default: one document per row)."""
+    docs = [doc([(i + 3 * t) % 128 for t in range(length)]) for i in range(n_docs)]
+    return PackedDataset(pack(docs, seq_len or length))
+
+
+def test_seq_len_past_the_trained_window_warns(tmp_path, caplog):
+    config = tiny_config(tmp_path, data={"seq_len": 64}, train={"max_steps": 1})
+    with caplog.at_level("WARNING", logger="moba_hf"):
+        train(config, model=short_window_model(32), dataset=rows_of(64))
+    notes = [m for m in caplog.messages if "trained window" in m]
+    assert len(notes) == 1, caplog.messages
+    assert notes[0].startswith("moba_hf: data.seq_len=64 uses 64 positions, past the model's trained window of 32 ")
+    assert "32 positions (max_position_embeddings)" in notes[0]
+    assert "DCA" in notes[0] and "RoPE scaling" in notes[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="moba_hf"):
+        train(config, model=short_window_model(64), dataset=rows_of(64))
+    assert not [m for m in caplog.messages if "trained window" in m]
+
+
+def test_positions_continued_across_rows_count_against_the_window(tmp_path, caplog):
+    """split_documents = true continues a cut document's positions in the next row: 40-token documents in
+    16-token rows reach position 39, past a 32-position window, though seq_len is 16."""
+    config = tiny_config(tmp_path, data={"seq_len": 16}, train={"max_steps": 1})
+    with caplog.at_level("WARNING", logger="moba_hf"):
+        train(config, model=short_window_model(32), dataset=rows_of(40, seq_len=16))
+    notes = [m for m in caplog.messages if "trained window" in m]
+    assert len(notes) == 1 and "data.seq_len=16 with data.split_documents = true" in notes[0], caplog.messages
+    assert "uses 40 positions" in notes[0]
+
+
+def test_seq_len_past_a_learned_position_table_is_refused(tmp_path):
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("gpt2", n_positions=32, n_embd=32, n_layer=1, n_head=2, vocab_size=128)
+    model = AutoModelForCausalLM.from_config(config)
+    run = tiny_config(tmp_path, data={"seq_len": 64}, train={"max_steps": 1})
+    with pytest.raises(ValueError, match="data.seq_len=64 needs 64 positions, but this model has a learned table"):
+        train(run, model=model, dataset=rows_of(64))
+    assert not (tmp_path / "out").exists()  # refused before anything was written

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TRAIN, tiny_model
+from tiny_models import TRAIN, tiny_model
 
 import moba_hf
 from moba_hf.eval.passkey import QUESTION, build_prompt, passkey_line
@@ -204,3 +204,63 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--distributed"]:
         torch.set_num_threads(1)
         probe_distributed()
+
+
+def token_file(tmp_path, *records):
+    path = tmp_path / "ids.jsonl"
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("record", "shown"),
+    [
+        ({"input_ids": [1, 2, 128]}, "input_ids[2] = 128"),  # == vocab_size: one past the embedding
+        ({"input_ids": [1, -1, 2]}, "input_ids[1] = -1"),
+        ({"input_ids": [1, 2.0, 3]}, "input_ids[1] = 2.0"),
+        ({"input_ids": [1, "2"]}, "input_ids[1] = '2'"),
+        ({"input_ids": [True, 2]}, "input_ids[0] = True"),
+        ({"input_ids": [1, 2], "labels": [-100, 500]}, "labels[1] = 500"),
+    ],
+)
+def test_token_ids_are_checked_when_the_data_loads(tmp_path, record, shown):
+    path = token_file(tmp_path, {"input_ids": [5, 6, 7]}, record)
+    config = TrainConfig.from_dict({"data": {"source": str(path), "seq_len": 4}})
+    with pytest.raises(ValueError) as err:
+        build_dataset(config, None, vocab_size=128)
+    assert str(err.value).startswith(f"{path}:2: {shown} is no token id of this model; valid: integers in [0, 128)")
+
+
+def test_out_of_vocabulary_ids_stop_the_run_before_a_checkpoint(tmp_path):
+    from tiny_models import train_model
+
+    from moba_hf.train import train
+
+    path = token_file(tmp_path, *[{"input_ids": list(range(i, i + 20))} for i in range(4)], {"input_ids": [7, 130]})
+    config = TrainConfig.from_dict(
+        {
+            "data": {"source": str(path), "seq_len": 16},
+            "train": {"max_steps": 6, "save_steps": 2, "output_dir": str(tmp_path / "out"), "save": False},
+        }
+    )
+    with pytest.raises(ValueError, match=rf"{path}:5: input_ids\[1\] = 130 is no token id .* \[0, 128\)"):
+        train(config, model=train_model())  # vocab_size 128, read from the model's embedding
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_broken_jsonl_line_names_file_and_line(tmp_path):
+    path = token_file(tmp_path, {"input_ids": [1, 2]}, "", '{"input_ids": [1, 2', {"input_ids": [3]})
+    with pytest.raises(ValueError, match=rf"^{path}:3: not valid JSON \(Expecting .* at column \d+\)"):
+        read_documents(str(path), None)
+    path = token_file(tmp_path, {"text": "a"}, "[1, 2, 3]")
+    with pytest.raises(ValueError, match=rf"^{path}:2: a record must be a JSON object, got list"):
+        read_documents(str(path), None)
+    path = token_file(tmp_path, {"input_ids": [1, 2]}, {"text": "a"})
+    with pytest.raises(ValueError, match=rf"^{path}:2: record has no input_ids, while line 1 has"):
+        read_documents(str(path), None)
+    path = token_file(tmp_path, {"input_ids": 5})
+    with pytest.raises(ValueError, match=rf"^{path}:1: input_ids must be a list of token ids"):
+        read_documents(str(path), None)
+    path.write_bytes('{"text": "caf\u00e9"}\n'.encode("utf-16"))
+    with pytest.raises(ValueError, match=rf"^{path}: not UTF-8 text"):
+        read_documents(str(path), None)

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import train_model
 from safetensors.torch import load_file
+from tiny_models import train_model
 from transformers import AutoModelForCausalLM
 
 from moba_hf.train.cli import load_config

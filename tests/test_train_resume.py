@@ -4,6 +4,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,9 +12,9 @@ import time
 
 import pytest
 import torch
-from conftest import train_model
 from test_train import WhatRan, tiny_config, tiny_dataset
 from test_train_distributed import ROOT, write_run
+from tiny_models import train_model
 from transformers import TrainerCallback
 
 from moba_hf.train import train
@@ -106,3 +107,217 @@ def test_ctrl_c_exits_130_and_leaves_a_resumable_checkpoint(tmp_path):
     resumed = train(config, resume=True)
     assert resumed.resumed_from == checkpoint
     assert len(resumed.losses) == step + 2 and all(torch.isfinite(torch.tensor(resumed.losses)))
+
+
+def stopped_run(tmp_path, name="run", stop_at=4, **sections):
+    """A run config (6 SGD steps, checkpoints every 2) stopped after its checkpoint at `stop_at`."""
+    base = {"train": {"max_steps": 6, "save_steps": 2, "optim": "sgd", "learning_rate": 0.05, "save_total_limit": 0}}
+    for section, values in sections.items():
+        base.setdefault(section, {}).update(values)
+    config = tiny_config(tmp_path / name, **base)
+    with pytest.raises(Stop):
+        train(config, model=train_model(), dataset=tiny_dataset(), callbacks=[StopAfterSave(stop_at)])
+    return config
+
+
+def test_a_changed_config_on_resume_is_refused_naming_each_key(tmp_path):
+    config = stopped_run(tmp_path)
+    out = config.train.output_dir
+    state = (last_checkpoint(out) / "trainer_state.json").read_text()
+    changed = config.replace("moba", block_size=16).replace("train", learning_rate=0.01)
+    with pytest.raises(ValueError) as err:
+        train(changed, model=train_model(), dataset=tiny_dataset(), resume=True)
+    message = str(err.value)
+    assert message.startswith(f"resume from {out}/checkpoint-4: the config differs from the run that wrote")
+    assert "moba.block_size: 8 -> 16; train.learning_rate: 0.05 -> 0.01." in message
+    assert "--allow-config-change" in message
+    with pytest.raises(ValueError, match=r"data.fingerprint: '[0-9a-f]{16}' -> '[0-9a-f]{16}'"):
+        train(config, model=train_model(), dataset=tiny_dataset(n_docs=30), resume=True)  # other rows
+    with pytest.raises(ValueError, match=r"data.fingerprint: .*; data.seq_len: 1024 -> 32"):
+        train(config.replace("data", seq_len=32), model=train_model(), dataset=tiny_dataset(seq_len=32), resume=True)
+    # refused before a step: the checkpoint and the run are as they were
+    assert last_checkpoint(out).name == "checkpoint-4"
+    assert (last_checkpoint(out) / "trainer_state.json").read_text() == state
+    # what resume may change freely: the step count (the switch step is compared instead), logging, saving
+    more = config.replace("train", max_steps=7, logging_steps=2, save_steps=3)
+    assert train(more, model=train_model(), dataset=tiny_dataset(), resume=True).resumed_from.name == "checkpoint-4"
+
+
+def test_a_switch_step_moved_by_max_steps_is_a_change(tmp_path):
+    config = stopped_run(tmp_path, schedule={"moba_fraction": 0.5})  # switch at step 3 of 6
+    with pytest.raises(ValueError, match=r"schedule.switch_step: 3 -> 4"):
+        train(config.replace("train", max_steps=8), model=train_model(), dataset=tiny_dataset(), resume=True)
+
+
+def parameters(path):
+    from safetensors.torch import load_file
+
+    return load_file(path / "model.safetensors")
+
+
+def test_allowed_changes_apply_and_are_recorded(tmp_path):
+    """An SGD step moves a weight by -lr x (clipped gradient + weight_decay x weight); the gradient at step 5
+    depends only on the checkpoint's weights and the batch, so a resume at twice the learning rate moves every
+    weight twice as far, and a weight decay wd adds -lr x wd x weight (to the decay group only). Both runs round
+    each weight once: the deltas agree within 2 ulp of the weight (atol 2 eps max|w|)."""
+    import shutil
+
+    config = stopped_run(tmp_path, stop_at=4)
+    out = tmp_path / "run" / "out"
+    runs = {}
+    for name, changes in {"same": {}, "lr": {"learning_rate": 0.1}, "wd": {"weight_decay": 0.5}}.items():
+        shutil.copytree(out, tmp_path / name / "out")
+        run = config.replace("train", output_dir=str(tmp_path / name / "out"), max_steps=5, **changes)
+        probe = LearningRates()
+        result = train(
+            run,
+            model=train_model(),
+            dataset=tiny_dataset(),
+            callbacks=[probe],
+            resume=True,
+            allow_config_change=bool(changes),
+        )
+        assert result.resumed_from.name == "checkpoint-4"
+        runs[name] = (parameters(tmp_path / name / "out" / "checkpoint-5"), probe.lrs)
+    before = parameters(out / "checkpoint-4")
+    assert runs["same"][1] == {4: 0.05} and runs["lr"][1] == {4: 0.1} and runs["wd"][1] == {4: 0.05}
+    eps = torch.finfo(torch.float32).eps
+    decayed = 0
+    for key, w in before.items():
+        same, lr, wd = (runs[name][0][key] - w for name in ("same", "lr", "wd"))
+        atol = 2 * eps * w.abs().max().item()
+        assert same.abs().max() > 50 * atol, key  # every tensor moves well past the rounding
+        torch.testing.assert_close(lr, 2 * same, rtol=0, atol=2 * atol, msg=key)
+        expected = same - 0.05 * 0.5 * w if "norm" not in key else same  # norms are in the no-decay group
+        torch.testing.assert_close(wd, expected, rtol=0, atol=atol, msg=key)
+        decayed += "norm" not in key
+    assert decayed > 0
+
+    record = json.loads((tmp_path / "lr" / "out" / "run_config.json").read_text())
+    entry = {"step": 4, "checkpoint": "checkpoint-4", "changes": {"train.learning_rate": [0.05, 0.1]}}
+    assert record["config_changes"] == [entry]
+    assert json.loads((tmp_path / "lr" / "out" / "checkpoint-5" / "run_config.json").read_text()) == record
+    summary = json.loads((tmp_path / "lr" / "out" / "train_summary.json").read_text())
+    assert summary["config_changes"] == [entry]
+    logged = [e["learning_rate"] for e in summary_log(tmp_path / "lr" / "out" / "checkpoint-5")]
+    assert logged == [0.05] * 4 + [0.1]  # what the Trainer logs for each step
+    assert json.loads((tmp_path / "same" / "out" / "run_config.json").read_text())["config_changes"] == []
+
+
+def summary_log(checkpoint):
+    return [e for e in json.loads((checkpoint / "trainer_state.json").read_text())["log_history"] if "loss" in e]
+
+
+class LearningRates(TrainerCallback):
+    """Probe: the learning rate the optimizer steps with, per optimizer step."""
+
+    def __init__(self):
+        self.lrs = {}
+
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        self.lrs[state.global_step] = optimizer.param_groups[0]["lr"]
+
+
+def test_what_a_checkpoint_fixes_is_refused_even_when_allowed(tmp_path):
+    config = stopped_run(tmp_path)
+    for section, key, value in [("train", "optim", "adamw_torch"), ("train", "seed", 1), ("lora", "r", 4)]:
+        changed = config.replace(section, **{key: value})
+        with pytest.raises(ValueError, match=rf"cannot change on resume: {section}.{key}: .* -> {value!r} \("):
+            train(changed, model=train_model(), dataset=tiny_dataset(), resume=True, allow_config_change=True)
+
+
+def corrupt(path, how):
+    if how == "truncate":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    else:
+        path.write_text('{"global_step": 6, "log_hist')
+
+
+@pytest.mark.parametrize(
+    ("name", "how", "why"),
+    [
+        ("model.safetensors", "truncate", r"model.safetensors is truncated \(\d+ bytes; its header describes \d+\)"),
+        ("trainer_state.json", "garbage", r"trainer_state.json is not valid JSON"),
+        ("optimizer.pt", "truncate", r"optimizer.pt is truncated or corrupt"),
+        ("rng_state.pth", "truncate", r"rng_state.pth is truncated or corrupt"),
+        ("run_config.json", "garbage", r"run_config.json is not valid JSON"),
+    ],
+)
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog, name, how, why):
+    whole = train(
+        tiny_config(tmp_path / "whole", train={"max_steps": 6, "optim": "sgd", "learning_rate": 0.05}),
+        model=train_model(),
+        dataset=tiny_dataset(),
+    )
+    config = stopped_run(tmp_path, stop_at=6)
+    out = config.train.output_dir
+    corrupt(last_checkpoint(out) / name, how)
+    with caplog.at_level("WARNING", logger="moba_hf"):
+        resumed = train(config, model=train_model(seed=1), dataset=tiny_dataset(), resume=True)
+    assert resumed.resumed_from.name == "checkpoint-4"
+    skipped = [m for m in caplog.messages if "skipping" in m]
+    assert len(skipped) == 1 and re.fullmatch(rf"moba_hf: resume: skipping {out}/checkpoint-6: {why}.*", skipped[0])
+    assert resumed.losses == whole.losses  # steps 5 and 6 rerun from checkpoint-4 exactly
+
+
+def test_no_whole_checkpoint_is_refused_naming_each_file(tmp_path):
+    config = stopped_run(tmp_path)
+    out = config.train.output_dir
+    corrupt(last_checkpoint(out) / "model.safetensors", "truncate")
+    corrupt(last_checkpoint(out).parent / "checkpoint-2" / "trainer_state.json", "garbage")
+    with pytest.raises(ValueError) as err:
+        train(config, model=train_model(), dataset=tiny_dataset(), resume=True)
+    assert str(err.value).startswith(
+        f"resume: no whole checkpoint in {out}: checkpoint-4: model.safetensors is truncated"
+    )
+    assert "; checkpoint-2: trainer_state.json is not valid JSON" in str(err.value)
+
+
+def test_a_checkpoint_without_its_run_record_is_refused_unless_allowed(tmp_path):
+    config = stopped_run(tmp_path)
+    checkpoint = last_checkpoint(config.train.output_dir)
+    (checkpoint / "run_config.json").unlink()
+    with pytest.raises(ValueError, match=rf"^resume from {checkpoint}: the checkpoint has no run_config.json, so"):
+        train(config, model=train_model(), dataset=tiny_dataset(), resume=True)
+    result = train(config, model=train_model(), dataset=tiny_dataset(), resume=True, allow_config_change=True)
+    assert result.resumed_from == checkpoint
+    record = json.loads((checkpoint.parent / "run_config.json").read_text())
+    assert list(record["config_changes"][0]["changes"]) == ["run_config"]
+
+
+def test_a_missing_optimizer_state_is_refused_unless_allowed(tmp_path, caplog):
+    config = stopped_run(tmp_path)
+    checkpoint = last_checkpoint(config.train.output_dir)
+    (checkpoint / "optimizer.pt").unlink()
+    with pytest.raises(ValueError, match=rf"^resume from {checkpoint}: {checkpoint}/optimizer.pt missing, so the"):
+        train(config, model=train_model(), dataset=tiny_dataset(), resume=True)
+    with caplog.at_level("WARNING", logger="moba_hf"):
+        result = train(config, model=train_model(), dataset=tiny_dataset(), resume=True, allow_config_change=True)
+    assert result.resumed_from == checkpoint and len(result.losses) == 6
+    assert any("optimizer_state changed on resume" in m for m in caplog.messages), caplog.messages
+    record = json.loads((checkpoint.parent / "run_config.json").read_text())
+    assert record["config_changes"][0]["changes"] == {
+        "optimizer_state": ["checkpoint-4/optimizer.pt", "fresh (files missing)"]
+    }
+
+
+def test_cli_resume_refuses_a_changed_config_and_records_an_allowed_one(tmp_path, capsys):
+    from moba_hf.cli import main
+
+    run = write_run(tmp_path, max_steps=4, save_steps=2)
+    out = tmp_path / "out"
+    assert main(["train", str(run), "--output-dir", str(out)]) == 0
+    capsys.readouterr()
+    args = ["train", str(run), "--output-dir", str(out), "--resume", "--max-steps", "6", "--set", "moba.block_size=16"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the weights' loading bar: one line
+    assert err.startswith(f"moba-hf train: error: resume from {out}/checkpoint-4: the config differs")
+    assert "moba.block_size: 8 -> 16." in err
+    assert last_checkpoint(out).name == "checkpoint-4"
+    assert main([*args, "--allow-config-change"]) == 0
+    assert last_checkpoint(out).name == "checkpoint-6"
+    record = json.loads((out / "run_config.json").read_text())
+    assert record["config"]["moba"]["block_size"] == 16
+    assert record["config_changes"] == [
+        {"step": 4, "checkpoint": "checkpoint-4", "changes": {"moba.block_size": [8, 16]}}
+    ]

@@ -25,9 +25,6 @@ ENGINE_TIMEOUT_S = 600
 MAX_MODEL_LEN = 4096
 # environment of every engine: a bounded KV cache, no usage reporting, the engine core in its own process
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-# the transformers path's decode="moba" takes its sparse step from the first block on, as the plugin does (the
-# measured dense-below-crossover choice differs by machine); engines inherit it
-os.environ["MOBA_HF_DECODE_CROSSOVER"] = "0"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -69,9 +66,9 @@ def engine_kwargs(**extra) -> dict:
     return dict(model=model_path(), dtype="float32", max_model_len=MAX_MODEL_LEN, enforce_eager=True, seed=0, **extra)
 
 
-def run_engine(job: dict, env: dict[str, str] | None = None, timeout: float = ENGINE_TIMEOUT_S) -> dict:
+def run_engine(job: dict, env: dict[str, str | None] | None = None, timeout: float = ENGINE_TIMEOUT_S) -> dict:
     """Start one engine in a subprocess, run the job's phases, return its results and, under "_log", its
-    output (fails with the log)."""
+    output (fails with the log). `env` is added to ENGINE_ENV; a None value unsets the variable."""
     with tempfile.TemporaryDirectory() as tmp:
         job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "out.json"
         job_file.write_text(json.dumps(job))
@@ -81,12 +78,12 @@ def run_engine(job: dict, env: dict[str, str] | None = None, timeout: float = EN
         return {**json.loads(out_file.read_text()), "_log": out + err}
 
 
-def _run_job(job_file: Path, out_file: Path, env: dict[str, str] | None, timeout: float) -> tuple[int, str, str]:
+def _run_job(job_file: Path, out_file: Path, env: dict[str, str | None] | None, timeout: float) -> tuple[int, str, str]:
     """engine_job.py in its own process group, so a timeout stops the engine's processes too (none is left
     running on the machine)."""
     proc = subprocess.Popen(
         [sys.executable, str(HERE / "engine_job.py"), str(job_file), str(out_file)],
-        env={**os.environ, **ENGINE_ENV, **(env or {})},
+        env={k: v for k, v in {**os.environ, **ENGINE_ENV, **(env or {})}.items() if v is not None},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -99,20 +99,18 @@ def test_skip_decodes_leaves_decode_rows_to_the_caller():
     moba_paged(
         query, key, value, key_cache, value_cache, output, query_start_loc=starts, seq_lens=SEQ_LENS,
         block_table=table, config=MobaConfig(block_size=64, top_k=2, decode="full"), scale=D**-0.5,
-        skip=dense_decodes(QUERY_LENS, SEQ_LENS, MobaConfig(decode="full"), 0),
+        skip=dense_decodes(QUERY_LENS, MobaConfig(decode="full")),
     )  # fmt: skip
     for i, nq in enumerate(QUERY_LENS):
         rows = output[starts[i] : starts[i + 1]]
         assert bool(rows.isnan().all()) == (nq == 1)
 
 
-def test_dense_decodes_follow_the_mode_and_the_crossover():
-    query_lens, seq_lens = [1, 1, 5, 1], [100, 700, 700, 1500]
-    assert dense_decodes(query_lens, seq_lens, MobaConfig(block_size=256, decode="full"), 0) == [0, 1, 3]
-    moba = MobaConfig(block_size=256, decode="moba")
-    assert dense_decodes(query_lens, seq_lens, moba, 0) == []
-    assert dense_decodes(query_lens, seq_lens, moba, 3) == [0]  # 1, 3 and 6 blocks
-    assert dense_decodes(query_lens, seq_lens, moba, 7) == [0, 1, 3]
+def test_dense_decodes_follow_the_mode_alone():
+    # decode = "moba" is sparse at every sequence length (1, 3 and 6 blocks here): the config fixes the math
+    query_lens = [1, 1, 5, 1]
+    assert dense_decodes(query_lens, MobaConfig(block_size=256, decode="full")) == [0, 1, 3]
+    assert dense_decodes(query_lens, MobaConfig(block_size=256, decode="moba")) == []
 
 
 def write_in_steps(kv_cache, pages, keys, values, steps, gate_keys):
@@ -385,6 +383,32 @@ def test_refuses_server_file_limits(monkeypatch, tmp_path):
     monkeypatch.setenv(settings.ENV, str(path))
     with pytest.raises(settings.MobaSetupError, match="max_context_tokens=2048"):
         backend._setup(vllm_config())
+
+
+@pytest.mark.parametrize("spelling", ["fp16", "float16", "half", "FP16"])
+def test_server_file_kv_cache_dtype_spellings_match_vllm_flags(spelling, monkeypatch, tmp_path):
+    path = tmp_path / "server.toml"
+    path.write_text(f'[attention]\ntype = "moba"\nblock_size = 256\n[attention.kv_cache]\ndtype = "{spelling}"\n')
+    monkeypatch.setenv(settings.ENV, str(path))
+    assert backend._setup(vllm_config(dtype="float16")) is not None  # the KV cache follows --dtype (auto)
+    assert backend._setup(vllm_config(dtype="half", kv_cache_dtype="float16")) is not None
+
+
+def test_kv_cache_dtype_refusal_names_flags_vllm_accepts(monkeypatch, tmp_path):
+    from typing import get_args
+
+    from vllm.config.cache import CacheDType
+    from vllm.config.model import ModelDType
+
+    path = tmp_path / "server.json"
+    path.write_text('{"block_size": 256, "kv_cache_dtype": "bf16"}')
+    monkeypatch.setenv(settings.ENV, str(path))
+    with pytest.raises(settings.MobaSetupError, match="asks for kv_cache_dtype='bfloat16'") as refused:
+        backend._setup(vllm_config())  # float32 model, cache auto
+    flags = dict(re.findall(r"(--dtype|--kv-cache-dtype) ([\w.]+)", str(refused.value).split("start vLLM with")[1]))
+    assert flags["--dtype"] == "bfloat16" and flags["--dtype"] in get_args(ModelDType)
+    assert flags["--kv-cache-dtype"] in get_args(CacheDType)
+    assert backend._setup(vllm_config(dtype=flags["--dtype"], kv_cache_dtype=flags["--kv-cache-dtype"])) is not None
 
 
 def test_refuses_unsupported_architecture(monkeypatch, tmp_path):

@@ -1,9 +1,10 @@
 """Dual Chunk Attention (An et al., ICML 2024): RoPE position remapping that keeps every query-key distance
 below the pretraining length, dense or composed with MoBA. See `kernels.dca_positions` for the layout.
 
-The public DCA names in one place. The tensor math lives in `moba_hf.kernels` (`dca`, `dca_positions`, `rope`),
-the transformers side in `moba_hf.integration.dca`; `resolve` loads the latter on first use, so that
-`moba_hf.config` can import `DcaConfig` from here without importing transformers glue.
+The public DCA names in one place, above integration (docs/architecture.md): the tensor math lives in
+`moba_hf.kernels` (`dca`, `dca_positions`, `rope`), the transformers side in `moba_hf.integration.dca`, the
+settings in `dca/config.py` (below both). Only the settings load with this file, the rest on first use of a name:
+`moba_hf.config` imports `moba_hf.dca.config`, which runs this file, without importing torch or transformers.
 """
 
 from __future__ import annotations
@@ -11,10 +12,17 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ..kernels.dca import dca_attention, dca_selected_blocks, query_variants
-from ..kernels.dca_positions import query_positions, relative_positions
-from ..kernels.rope import rotate
 from .config import DcaConfig, DcaParams
+
+_LAZY = {  # public name -> module that defines it
+    "dca_attention": "moba_hf.kernels.dca",
+    "dca_selected_blocks": "moba_hf.kernels.dca",
+    "query_variants": "moba_hf.kernels.dca",
+    "query_positions": "moba_hf.kernels.dca_positions",
+    "relative_positions": "moba_hf.kernels.dca_positions",
+    "rotate": "moba_hf.kernels.rope",
+    "resolve": "moba_hf.integration.dca",
+}
 
 __all__ = [
     "DcaConfig",
@@ -30,6 +38,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name == "resolve":
-        return importlib.import_module("moba_hf.integration.dca").resolve
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'moba_hf.dca' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..cli import UsageError, positive_int
+from ..cli_common import UsageError, positive_int
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:

@@ -20,6 +20,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from ..options import file_bool, file_int
+
 
 def _check_optional_int(name: str, value: Any, low: int) -> None:
     if value is None:
@@ -93,11 +95,15 @@ class DcaConfig:
             return data
         if not isinstance(data, Mapping):
             raise ValueError(f"a DCA config must be a mapping, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(known))
         if unknown:
             raise ValueError(f"unknown DCA config keys {unknown}; valid keys: {sorted(known)}")
-        return cls(**dict(data))
+        # as config files give them: integers may come as digit strings, the switch as "true" / "false"
+        values = {
+            key: file_bool(key, value) if known[key].type == "bool" else file_int(value) for key, value in data.items()
+        }
+        return cls(**values)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ import logging
 import sys
 from typing import Any
 
-from ..cli import (
+from ..cli_common import (
     UsageError,
     add_model_args,
     add_out_arg,
@@ -24,40 +24,23 @@ from ..cli import (
     parse_lengths,
     positive_int,
 )
+from ..models import load_tokenizer
 
 logger = logging.getLogger("moba_hf")
 
 __all__ = ["load_model", "load_tokenizer", "parse_lengths"]
 
 
-def load_tokenizer(name: str) -> Any:
-    """The tokenizer of an embedded model (`smollm2`), a local checkpoint or a hub id."""
-    from transformers import AutoTokenizer
-
-    from ..models import EMBEDDED, local_path
-
-    return AutoTokenizer.from_pretrained(local_path(name) if name in EMBEDDED else name)
-
-
 def load_model(name: str, *, dtype: str = "auto", device: str = "auto", tokenizer: Any = None) -> tuple[Any, Any]:
-    """The one model loader of the eval commands: the embedded model by name (`smollm2`) or any local path /
-    hub id, with dense attention (settings are switched on later with apply / revert)."""
-    import torch
+    """`models.load_model` with the eval commands' defaults: dense attention (settings are switched on later with
+    apply / revert), `device="auto"` (cuda when available), `dtype="auto"` (bfloat16 on CUDA, float32 otherwise)."""
+    from ..models import load_model as load
+    from ..models import pick_device
 
-    from ..integration import from_pretrained
-    from ..models import EMBEDDED, load
-
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = pick_device(device)
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    if name in EMBEDDED:
-        model, loaded = load(name, dtype=dtype)
-        tokenizer = tokenizer or loaded
-    else:
-        model = from_pretrained(name, attn_implementation="sdpa", dtype=dtype).eval()
-        tokenizer = tokenizer or load_tokenizer(name)
-    return model.to(device), tokenizer
+    return load(name, dtype=dtype, device=device, tokenizer="required" if tokenizer is None else tokenizer)
 
 
 def _common(p: argparse.ArgumentParser, command: str, lengths: str, default_settings: str = "sdpa") -> None:
@@ -66,6 +49,9 @@ def _common(p: argparse.ArgumentParser, command: str, lengths: str, default_sett
     p.add_argument("--lengths", type=parse_lengths, default=parse_lengths(lengths),
                    help=f"context lengths in tokens, e.g. 1K,2K,4096 (default {lengths})")  # fmt: skip
     add_out_arg(p, command)
+    p.add_argument("--allow-changed", action="store_true",
+                   help="resume an --out directory whose model weights, parameters or setting definitions differ "
+                   "from this run's (refused without it); the differences are recorded in its run.json")  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -176,11 +162,44 @@ def _settings(args: argparse.Namespace) -> list[Any]:
         raise UsageError(f"--attn: {error}") from None
 
 
+def _local_config(name: str) -> dict[str, Any] | None:
+    """config.json of an embedded model or a checkpoint directory (None for a hub id, or when unreadable)."""
+    import json
+    from pathlib import Path
+
+    from ..models import EMBEDDED, local_path
+
+    path = (local_path(name) if name in EMBEDDED else Path(name).expanduser()) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # loading the model reports it
+    return config if isinstance(config, dict) else None
+
+
+def check_window(model: str, positions: int, what: str) -> None:
+    """Refuse, before the model loads, positions past a learned position table (`moba_hf.window`); the
+    warnings for a RoPE window come with the run, once the settings are known."""
+    from ..window import PastWindow, check_positions
+
+    config = _local_config(model)
+    if config is None:
+        return
+    try:
+        check_positions(config, positions, what)
+    except PastWindow as error:
+        raise UsageError(str(error)) from None
+
+
 def _check(args: argparse.Namespace) -> list[Any]:
     """What every eval command checks before loading anything heavy; returns the settings."""
     check_out(args.out)
     check_model(args.model)
-    return _settings(args)
+    settings = _settings(args)
+    longest, new_tokens = max(args.lengths), getattr(args, "max_new_tokens", 0)
+    what = f"--lengths {longest}" + (f" (+{new_tokens} generated tokens)" if new_tokens else "")
+    check_window(args.model, longest + new_tokens, what)
+    return settings
 
 
 def _texts(args: argparse.Namespace) -> list[str] | None:
@@ -197,13 +216,14 @@ def _texts(args: argparse.Namespace) -> list[str] | None:
 
 def _run(args: argparse.Namespace, tokenizer: Any, evaluate: Any) -> int:
     """Load the model, run `evaluate(model, common_kwargs)`, print the summary; exit 1 if every setting failed."""
-    from .runner import RunMismatch
+    from ..window import PastWindow
+    from .runner import RunDirError
 
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, tokenizer=tokenizer)
-    common = {"model_name": args.model, "progress": not args.no_progress}
+    common = {"model_name": args.model, "progress": not args.no_progress, "allow_changed": args.allow_changed}
     try:
         result = evaluate(model, tokenizer, common)
-    except RunMismatch as error:
+    except (RunDirError, PastWindow) as error:  # a run directory that cannot take this run, lengths past a table
         raise UsageError(str(error)) from None
     print(result.summary)
     for path in result.files:
@@ -297,12 +317,15 @@ def _sweep_grid(args: argparse.Namespace) -> list[Any]:
 def _run_sweep(args: argparse.Namespace) -> int:
     import torch
 
+    from ..window import PastWindow
     from .families import ALL, check_fits
-    from .runner import RunMismatch
+    from .runner import RunDirError
     from .sweep import default_text, pareto_plot, pareto_table, run_sweep
 
     check_out(args.out)
     check_model(args.model)
+    check_window(args.model, max(args.lengths), f"--lengths {max(args.lengths)}")
+    check_window(args.model, args.ppl_length, f"--ppl-length {args.ppl_length}")
     grid = _sweep_grid(args)
     bad = [s.name for s in grid if s.attn not in ("sdpa", "moba")]
     if bad:
@@ -326,8 +349,9 @@ def _run_sweep(args: argparse.Namespace) -> int:
     try:
         rows = run_sweep(model, tokenizer, grid, lengths=args.lengths, trials=args.trials, text_ids=text_ids,
                          families=families, out_dir=args.out, batch=args.batch, seed=args.seed,
-                         model_name=args.model, progress=not args.no_progress)  # fmt: skip
-    except RunMismatch as error:
+                         model_name=args.model, progress=not args.no_progress,
+                         allow_changed=args.allow_changed)  # fmt: skip
+    except (RunDirError, PastWindow) as error:
         raise UsageError(str(error)) from None
     print(pareto_table(rows, args.lengths, families))
     pareto_plot(rows, max(args.lengths), check_out(args.out) / "pareto.png")

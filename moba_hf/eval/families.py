@@ -20,7 +20,7 @@ comparison), and so does every re-run.
 
 Length (special tokens included): prose-needle and kv-retrieval prompts are exactly `length` tokens (the
 context is cut at a token, so its last sentence may end early); passkey prompts hold whole filler sentences
-(passkey.py's builder), so they are `length` tokens or fewer, by less than one filler (under 32 tokens).
+(prompts.py's builder), so they are `length` tokens or fewer, by less than one filler (under 32 tokens).
 Depth: the (asked) needle goes after round(depth * n) of the n fillers (passkey) or at the sentence boundary
 nearest depth x the context's tokens: depth 0 is right after the intro, 1 right before the question.
 Scoring (all families): the continuation's first words must be the answer's words, compared lower-cased
@@ -38,7 +38,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import passkey as _passkey
+from .. import prompts
 from .texts import generated_text, prose_digest, prose_sentences
 
 NAMES = (
@@ -111,16 +111,16 @@ def _ids(tokenizer: Any, text: str) -> list[int]:
 
 
 def _build_passkey(tokenizer: Any, length: int, depth: float, rng: random.Random) -> Prompt:
-    """passkey.py's prompt builder with a drawn wording and a 4-7 digit passkey."""
-    wording = rng.randrange(len(_passkey.WORDINGS))
+    """The passkey prompt builder (prompts.py) with a drawn wording and a 4-7 digit passkey."""
+    wording = rng.randrange(len(prompts.WORDINGS))
     digits = rng.randint(4, 7)
     key = rng.randint(10 ** (digits - 1), 10**digits - 1)
     specials = len(_special(tokenizer))
-    text = _passkey.build_prompt(tokenizer, length - specials, depth, key, wording=wording)
+    text = prompts.build_prompt(tokenizer, length - specials, depth, key, wording=wording)
     ids = list(tokenizer(text).input_ids)
     if len(ids) > length:
         raise _too_short("passkey", length, len(ids))
-    before = text[: text.index(_passkey.passkey_line(key, wording))].rstrip()
+    before = text[: text.index(prompts.passkey_line(key, wording))].rstrip()
     return Prompt(ids, str(key), len(tokenizer(before).input_ids))
 
 
@@ -285,7 +285,7 @@ def check_fits(tokenizer: Any, families: Sequence[str], lengths: Sequence[int]) 
 
 def wording_digest() -> str:
     """A hash of the families' wording tables: a resume after they change is refused, not mixed."""
-    tables = [_passkey.INTRO, _passkey.FILLER, _passkey.WORDINGS, NAMES, _CITIES, _SPICES, _ADJECTIVES, _NOUNS,
+    tables = [prompts.INTRO, prompts.FILLER, prompts.WORDINGS, NAMES, _CITIES, _SPICES, _ADJECTIVES, _NOUNS,
               _PLACES, [needle[:2] for needle in PROSE_NEEDLES], PROSE_INTROS, KV_NEEDLES, N_NEEDLES]  # fmt: skip
     return hashlib.sha1(json.dumps(tables).encode()).hexdigest()[:16]
 
@@ -293,4 +293,17 @@ def wording_digest() -> str:
 def text_params(families: Sequence[str]) -> dict[str, Any]:
     """Run parameters that pin the families' texts: their wordings and the prose (which depends on the
     Python version)."""
-    return {"wording_sha1": wording_digest(), **({"prose_sha1": prose_digest()} if "prose-needle" in families else {})}
+    params = {"wording_sha1": wording_digest()}
+    if {"prose-needle", "question-first"} & set(families):
+        params["prose_sha1"] = prose_digest()
+    if set(families) - set(ALL):
+        params["heldout_wording_sha1"] = heldout_families.wording_digest()
+    return params
+
+
+# more families (heldout_families.py), each with a split: "tuning" (presets may be chosen on it) or "heldout"
+# (reported only); ALL, the default, stays the three above
+from . import heldout_families  # noqa: E402
+
+FAMILIES.update(heldout_families.FAMILIES)
+SPLITS: dict[str, str] = {name: getattr(f, "split", heldout_families.TUNING) for name, f in FAMILIES.items()}

@@ -76,8 +76,9 @@ def run_lm_eval(argv: Sequence[str]) -> int:
         from lm_eval.__main__ import cli_evaluate
     except ImportError as error:
         raise SystemExit(f"moba-hf lm-eval needs lm-eval: pip install 'moba-hf[eval]' ({error})") from error
-    register_lm_eval()
     argv = list(argv)
+    if not {"-h", "--help"} & set(argv):  # help exits before any model is built: skip loading transformers
+        register_lm_eval()
     if argv and argv[0] == "--":
         argv = argv[1:]
     if "--include_path" not in argv and not any(a.startswith("--include_path=") for a in argv):

@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from .passkey import _encode, check_grid, finish_grid_eval, first_integer
-from .runner import EvalResult, ResultStore, greedy_decode, model_info, run_grid
+from ..prompts import encode
+from .passkey import check_grid, finish_grid_eval, first_integer
+from .runner import EvalResult, greedy_decode, open_store, run_grid, window_warnings
 from .settings import SettingLike, resolve_settings
 from .texts import generated_text
 
@@ -113,10 +114,12 @@ def niah_eval(
     model_name: str | None = None,
     progress: bool = True,
     track: bool = True,
+    allow_changed: bool = False,
 ) -> EvalResult:
     """Needle-in-a-haystack accuracy per setting on the lengths x depths grid, with a heatmap PNG.
 
-    haystack: documents (see `moba_hf.eval.texts.load_texts`); default: generated offline text.
+    haystack: documents (see `moba_hf.eval.texts.load_texts`); default: generated offline text. Resume and the
+    window check as in `passkey.passkey_eval`.
     """
     settings = resolve_settings(settings)
     lengths, depths = check_grid(lengths, depths, trials)
@@ -130,7 +133,7 @@ def niah_eval(
         "lengths": lengths, "depths": depths, "trials": trials, "seed": seed, "max_new_tokens": max_new_tokens,
         "needle": needle, "question": question, "answer": answer, "haystack_sha1": hay.digest(),
     }  # fmt: skip
-    store = ResultStore(out_dir, "niah", params, model_info(model, model_name))
+    warnings = window_warnings(model, settings, lengths, max_new_tokens)
     prompts: dict[tuple, tuple[torch.Tensor, str]] = {}
 
     def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
@@ -139,7 +142,7 @@ def niah_eval(
             expected = trial_answer(seed, *key) if templated else str(answer)
             fill = needle.replace("{answer}", expected), question.replace("{answer}", expected)
             text = hay.prompt(key[0], key[1], *fill)
-            prompts[key] = (_encode(tokenizer, text, model.device), expected)
+            prompts[key] = (encode(tokenizer, text, model.device), expected)
         ids, expected = prompts[key]
         decoded = greedy_decode(model, ids, max_new_tokens, track=track, eos_token_id=tokenizer.eos_token_id)
         output = tokenizer.decode(decoded.tokens, skip_special_tokens=True)
@@ -152,5 +155,7 @@ def niah_eval(
         }
 
     cells = [{"length": n, "depth": d, "trial": i} for n in lengths for d in depths for i in range(trials)]
-    run_grid(model, settings, cells, run_cell, store, progress=progress, desc="niah")
-    return finish_grid_eval(store, settings, lengths, depths, "niah", "needle in a haystack")
+    with open_store(model, out_dir, "niah", params, model_name=model_name, allow_changed=allow_changed,
+                    warnings=warnings) as store:  # fmt: skip
+        run_grid(model, settings, cells, run_cell, store, progress=progress, desc="niah")
+        return finish_grid_eval(store, settings, lengths, depths, "niah", "needle in a haystack")

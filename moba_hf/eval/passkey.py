@@ -21,62 +21,20 @@ from typing import Any
 
 import torch
 
-from .report import heatmap, summary_table
-from .runner import EvalResult, ResultStore, greedy_decode, model_info, run_grid
-from .settings import SettingLike, resolve_settings
-
-INTRO = (
-    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-    "I will quiz you about the important information there."
+from ..prompts import (  # noqa: F401  (the prompt, importable from here too)
+    FILLER,
+    INTRO,
+    QUESTION,
+    WORDINGS,
+    build_prompt,
+    encode,
+    min_length,
+    passkey_line,
+    random_passkey,
 )
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-QUESTION = "What is the pass key? The pass key is"
-# (key line with {key}, question): wording 0 is Landmark's, the prompt of `eval passkey`; the `passkey` prompt
-# family (families.py) draws one per trial. 1-3 are not among the training mixture's wordings (train/synthetic.py).
-WORDINGS = (
-    ("The pass key is {key}. Remember it. {key} is the pass key.", QUESTION),
-    ("Write down the vault combination: {key}. The vault combination is {key}.",
-     "What is the vault combination? The vault combination is"),
-    ("Here is the number to remember, {key}. Again, the number to remember is {key}.",
-     "What is the number to remember? The number to remember is"),
-    ("The door code of the archive is {key}. {key} opens the archive door.",
-     "What is the door code of the archive? The door code of the archive is"),
-)  # fmt: skip
-
-
-def passkey_line(passkey: int, wording: int = 0) -> str:
-    return WORDINGS[wording][0].format(key=passkey)
-
-
-def build_prompt(tokenizer: Any, length: int, depth: float, passkey: int, *, wording: int = 0) -> str:
-    """A prompt of `length` tokens or fewer (by less than one filler, about 20 tokens) with the passkey line
-    after round(depth * fillers) of the filler sentences; `wording` indexes WORDINGS."""
-    if not 0.0 <= depth <= 1.0:
-        raise ValueError(f"depth must be in [0, 1], got {depth}")
-    if not 0 <= wording < len(WORDINGS):
-        raise ValueError(f"wording must be in [0, {len(WORDINGS) - 1}], got {wording}")
-
-    def n_tokens(text: str) -> int:
-        return len(tokenizer(text, add_special_tokens=False).input_ids)
-
-    fixed = n_tokens(_assemble(0, depth, passkey, wording))
-    per_filler = n_tokens(" ".join([FILLER] * 20)) / 20
-    n_filler = max(0, int((length - fixed) / per_filler))
-    while n_filler > 0 and n_tokens(_assemble(n_filler, depth, passkey, wording)) > length:
-        n_filler -= 1
-    return _assemble(n_filler, depth, passkey, wording)
-
-
-def _assemble(n_filler: int, depth: float, passkey: int, wording: int = 0) -> str:
-    before = round(n_filler * depth)
-    line, question = passkey_line(passkey, wording), WORDINGS[wording][1]
-    parts = [INTRO, *[FILLER] * before, line, *[FILLER] * (n_filler - before), question]
-    return " ".join(parts)
-
-
-def min_length(tokenizer: Any) -> int:
-    """Tokens of the prompt without filler: shorter lengths cannot hold the passkey prompt."""
-    return len(tokenizer(_assemble(0, 0.5, 99999)).input_ids)
+from .report import heatmap, summary_table
+from .runner import EvalResult, ResultStore, greedy_decode, open_store, run_grid, window_warnings
+from .settings import SettingLike, resolve_settings
 
 
 def check_fits(tokenizer: Any, lengths: Sequence[int]) -> None:
@@ -94,10 +52,6 @@ def cell_prompt(tokenizer: Any, seed: int, length: int, depth: float, trial: int
 def first_integer(text: str) -> int | None:
     match = re.search(r"\d+", text)
     return int(match.group()) if match else None
-
-
-def random_passkey(rng: random.Random) -> int:
-    return rng.randint(10000, 99999)
 
 
 def trial_passkey(seed: int, length: int, depth: float, index: int) -> int:
@@ -124,15 +78,11 @@ class PasskeyTrial:
     sparsity: float | None = None
 
 
-def _encode(tokenizer: Any, text: str, device: Any) -> torch.Tensor:
-    return tokenizer(text, return_tensors="pt").input_ids.to(device)
-
-
 def run_trial(
     model: Any, tokenizer: Any, length: int, depth: float, passkey: int, max_new_tokens: int = 8
 ) -> PasskeyTrial:
     """One passkey trial: greedy decoding; the prefill (first forward) is timed separately."""
-    ids = _encode(tokenizer, build_prompt(tokenizer, length, depth, passkey), model.device)
+    ids = encode(tokenizer, build_prompt(tokenizer, length, depth, passkey), model.device)
     decoded = greedy_decode(model, ids, max_new_tokens, eos_token_id=tokenizer.eos_token_id)
     text = tokenizer.decode(decoded.tokens, skip_special_tokens=True)
     got, correct = score(passkey, text)
@@ -167,6 +117,7 @@ def passkey_eval(
     progress: bool = True,
     track: bool = True,
     families: Sequence[str] | str | None = None,
+    allow_changed: bool = False,
 ) -> EvalResult:
     """Passkey accuracy, prefill time and measured sparsity for each setting on the lengths x depths grid.
 
@@ -174,7 +125,9 @@ def passkey_eval(
     (name, None) means dense sdpa. The one `model` is switched between settings with apply / revert.
     families: prompt families (`families.FAMILIES`, e.g. "passkey,prose-needle,kv-retrieval") run on the same
     grid instead of the fixed Landmark prompt, reported side by side. Re-running with the same out_dir skips
-    finished trials.
+    finished trials; another model, other parameters or a redefined setting there are refused
+    (`runner.RunMismatch`) unless `allow_changed`. Lengths past the model's window are warned about
+    (`runner.window_warnings`).
     """
     settings = resolve_settings(settings)
     lengths, depths = check_grid(lengths, depths, trials)
@@ -182,10 +135,11 @@ def passkey_eval(
         return _families_eval(
             model, tokenizer, settings, lengths, depths, trials, out_dir, families, seed=seed,
             max_new_tokens=max_new_tokens, model_name=model_name, progress=progress, track=track,
+            allow_changed=allow_changed,
         )  # fmt: skip
     check_fits(tokenizer, lengths)
     params = {"lengths": lengths, "depths": depths, "trials": trials, "seed": seed, "max_new_tokens": max_new_tokens}
-    store = ResultStore(out_dir, "passkey", params, model_info(model, model_name))
+    warnings = window_warnings(model, settings, lengths, max_new_tokens)
     prompts: dict[tuple, tuple[list[int], int]] = {}  # built once, shared by every setting
 
     def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
@@ -207,8 +161,10 @@ def passkey_eval(
         }
 
     cells = [{"length": n, "depth": d, "trial": i} for n in lengths for d in depths for i in range(trials)]
-    run_grid(model, settings, cells, run_cell, store, progress=progress, desc="passkey")
-    return finish_grid_eval(store, settings, lengths, depths, "passkey", "passkey retrieval")
+    with open_store(model, out_dir, "passkey", params, model_name=model_name, allow_changed=allow_changed,
+                    warnings=warnings) as store:  # fmt: skip
+        run_grid(model, settings, cells, run_cell, store, progress=progress, desc="passkey")
+        return finish_grid_eval(store, settings, lengths, depths, "passkey", "passkey retrieval")
 
 
 def _families_eval(
@@ -226,6 +182,7 @@ def _families_eval(
     model_name: str | None,
     progress: bool,
     track: bool,
+    allow_changed: bool,
 ) -> EvalResult:
     """The passkey grid over prompt families: cells keyed by family too; a family decodes at least its
     answer's `new_tokens`."""
@@ -236,7 +193,8 @@ def _families_eval(
     check_fits(tokenizer, families, lengths)
     params = {"lengths": lengths, "depths": depths, "trials": trials, "seed": seed, "max_new_tokens": max_new_tokens,
               "families": families, **text_params(families)}  # fmt: skip
-    store = ResultStore(out_dir, "passkey", params, model_info(model, model_name))
+    new_tokens = max(max_new_tokens, *(FAMILIES[f].new_tokens for f in families))
+    warnings = window_warnings(model, settings, lengths, new_tokens)
 
     def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
         family = FAMILIES[cell["family"]]
@@ -253,12 +211,14 @@ def _families_eval(
 
     cells = [{"family": f, "length": n, "depth": d, "trial": i}
              for f in families for n in lengths for d in depths for i in range(trials)]  # fmt: skip
-    run_grid(model, settings, cells, run_cell, store, progress=progress, desc="passkey")
-    names = [s.name for s in settings]
-    records = store.records(settings)
-    summary = family_table(records, names, families, lengths, failures=store.failures,
-                           title=f"retrieval by prompt family, {store.model['name']}")  # fmt: skip
-    files = [store.write(settings, summary), store.out_dir / "summary.md"]
+    with open_store(model, out_dir, "passkey", params, model_name=model_name, allow_changed=allow_changed,
+                    warnings=warnings) as store:  # fmt: skip
+        run_grid(model, settings, cells, run_cell, store, progress=progress, desc="passkey")
+        names = [s.name for s in settings]
+        records = store.records(settings)
+        summary = store.annotated(family_table(records, names, families, lengths, failures=store.failures,
+                                               title=f"retrieval by prompt family, {store.model['name']}"))  # fmt: skip
+        files = [store.write(settings, summary), store.out_dir / "summary.md"]
     for family in families:
         png = heatmap([r for r in records if r["family"] == family], names, lengths, depths,
                       store.out_dir / f"{family}_heatmap.png", title=f"{family}: {store.model['name']}",
@@ -273,8 +233,8 @@ def finish_grid_eval(
     """Summary table, results.json and the depth x length heatmap for a passkey / NIAH run."""
     names = [s.name for s in settings]
     records = store.records(settings)
-    summary = summary_table(records, names, lengths, metric="accuracy", failures=store.failures,
-                            title=f"{title}, {store.model['name']}")  # fmt: skip
+    summary = store.annotated(summary_table(records, names, lengths, metric="accuracy", failures=store.failures,
+                                            title=f"{title}, {store.model['name']}"))  # fmt: skip
     files = [store.write(settings, summary), store.out_dir / "summary.md"]
     png = heatmap(records, names, lengths, depths, store.out_dir / f"{task}_heatmap.png",
                   title=f"{title}: {store.model['name']}", failures=store.failures)  # fmt: skip

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..integration import track_sparsity
 from .report import line_plot, summary_table
-from .runner import EvalResult, ResultStore, _sync, model_info, run_grid
+from .runner import EvalResult, open_store, run_grid, sync_device, window_warnings
 from .settings import SettingLike, resolve_settings
 from .texts import generated_text
 
@@ -64,13 +64,13 @@ def window_nll(model: Any, ids: torch.Tensor, score_from: int, *, track: bool = 
         raise ValueError(f"score_from must be in [1, {ids.shape[1] - 1}], got {score_from}")
     direct = _direct_head(model)
     with track_sparsity() if track else contextlib.nullcontext() as stats:
-        _sync(ids.device)
+        sync_device(ids.device)
         start = time.perf_counter()
         if direct:
             hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[0]
         else:
             logits = model(input_ids=ids, use_cache=False).logits[0]
-        _sync(ids.device)
+        sync_device(ids.device)
         seconds = time.perf_counter() - start
     targets = ids[0, score_from:]
     nll = 0.0
@@ -114,11 +114,13 @@ def ppl_eval(
     model_name: str | None = None,
     progress: bool = True,
     track: bool = True,
+    allow_changed: bool = False,
 ) -> EvalResult:
     """Perplexity per setting and context length (see the module docstring for the modes), with a line plot.
 
     documents: texts (see `moba_hf.eval.texts.load_texts`); default: generated offline text, which only
-    makes sense for comparing settings, not as an absolute perplexity.
+    makes sense for comparing settings, not as an absolute perplexity. Resume and the window check as in
+    `passkey.passkey_eval`.
     """
     settings = resolve_settings(settings)
     if mode not in MODES:
@@ -142,7 +144,7 @@ def ppl_eval(
         "lengths": lengths, "mode": mode, "stride": stride, "max_tokens": max_tokens if mode == "sliding" else None,
         "documents": len(docs), "document_tokens": [d.shape[1] for d in docs],
     }  # fmt: skip
-    store = ResultStore(out_dir, "ppl", params, model_info(model, model_name))
+    warnings = window_warnings(model, settings, lengths)
 
     def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
         begin, end, score_from = plan[(cell["length"], cell["doc"])][cell["window"]]
@@ -150,13 +152,15 @@ def ppl_eval(
         return {"prompt_tokens": end - begin, **window_nll(model, ids, score_from - begin, track=track)}
 
     cells = [{"length": n, "doc": i, "window": w} for (n, i), ws in plan.items() for w in range(len(ws))]
-    run_grid(model, settings, cells, run_cell, store, progress=progress, desc="ppl")
-
-    names = [s.name for s in settings]
-    records = store.records(settings)
-    title = f"perplexity ({mode}), {store.model['name']}"
-    summary = summary_table(records, names, lengths, metric="ppl", failures=store.failures, title=title)
-    files = [store.write(settings, summary), store.out_dir / "summary.md"]
+    with open_store(model, out_dir, "ppl", params, model_name=model_name, allow_changed=allow_changed,
+                    warnings=warnings) as store:  # fmt: skip
+        run_grid(model, settings, cells, run_cell, store, progress=progress, desc="ppl")
+        names = [s.name for s in settings]
+        records = store.records(settings)
+        title = f"perplexity ({mode}), {store.model['name']}"
+        summary = summary_table(records, names, lengths, metric="ppl", failures=store.failures, title=title)
+        summary = store.annotated(summary)
+        files = [store.write(settings, summary), store.out_dir / "summary.md"]
     png = line_plot(records, names, lengths, store.out_dir / "ppl.png", metric="ppl", title=title)
     files += [png] if png else []
     return EvalResult("ppl", store.out_dir, list(settings), records, dict(store.failures), summary, files)

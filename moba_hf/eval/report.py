@@ -127,7 +127,8 @@ def family_table(
     return "\n".join(lines) + "\n"
 
 
-def _pyplot():
+def load_pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (with one warning) when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -159,7 +160,7 @@ def heatmap(
     failures: dict[str, str] | None = None,
 ) -> Path | None:
     """Depth (rows) x length (columns) accuracy, red (0) to green (1), one panel per setting."""
-    plt = _pyplot()
+    plt = load_pyplot()
     if plt is None:
         return None
     import numpy as np
@@ -206,7 +207,7 @@ def line_plot(
     title: str = "perplexity",
 ) -> Path | None:
     """`metric` (ppl or accuracy) and prefill time against context length, one line per setting."""
-    plt = _pyplot()
+    plt = load_pyplot()
     if plt is None:
         return None
     cells = aggregate(records, ("setting", "length"))

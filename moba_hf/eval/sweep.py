@@ -24,8 +24,8 @@ import torch
 from ..config import MobaConfig
 from .families import FAMILIES, Prompt, check_fits, parse_families, text_params
 from .ppl import window_nll
-from .report import _pyplot, save_figure
-from .runner import ResultStore, atomic_write_text, greedy_decode, model_info, run_grid
+from .report import load_pyplot, save_figure
+from .runner import atomic_write_text, greedy_decode, open_store, run_grid, window_warnings
 from .settings import MOBA, SWEEP_GRID, Setting, parse_setting
 
 # (name, MobaConfig or None for dense): dense attention, then the named settings of `settings.SWEEP_GRID`
@@ -82,11 +82,13 @@ def run_sweep(
     seed: int = 0,
     model_name: str | None = None,
     progress: bool = True,
+    allow_changed: bool = False,
 ) -> list[SweepRow]:
     """Accuracy per prompt family and length, and perplexity of `text_ids` [1, T], for every setting of `grid`.
 
     families: names of `families.FAMILIES` (default: all). Re-running with the same out_dir skips finished
-    trials; other lengths, trials, batch, seed, families or text there are refused (`runner.RunMismatch`).
+    trials; another model, other lengths, trials, batch, seed, families or text there are refused
+    (`runner.RunMismatch`) unless `allow_changed`. Lengths past the model's window are warned about.
     """
     settings = [parse_setting(g) for g in grid]
     for setting in settings:
@@ -106,7 +108,8 @@ def run_sweep(
         "ppl_tokens": ppl_tokens,
         "ppl_sha1": None if text_ids is None else hashlib.sha1(str(text_ids.tolist()).encode()).hexdigest()[:16],
     }  # fmt: skip
-    store = ResultStore(out_dir, "sweep", params, model_info(model, model_name))
+    warnings = window_warnings(model, settings, lengths, max(FAMILIES[f].new_tokens for f in families))
+    warnings += window_warnings(model, settings, [ppl_tokens] if ppl_tokens else [])
     device = next(model.parameters()).device
     built: dict[tuple, Prompt] = {}  # prompts are built once, shared by every setting
 
@@ -140,12 +143,14 @@ def run_sweep(
         return records
 
     cells = sweep_cells(lengths, trials, ppl_tokens, families)
-    run_grid(model, settings, cells, None, store, progress=progress, desc="sweep", run_batch=run_batch,
-             batch_size=batch, batch_key=lambda c: (c.get("family", c.get("task")), c["length"]))  # fmt: skip
-    rows = sweep_rows(store.records(settings), settings, store.failures, lengths, families)
-    table = pareto_table(rows, lengths, families)
-    store.write(settings, table, extra={"rows": [dataclasses.asdict(r) for r in rows]})
-    atomic_write_text(store.out_dir / "pareto.md", table)
+    with open_store(model, out_dir, "sweep", params, model_name=model_name, allow_changed=allow_changed,
+                    warnings=warnings) as store:  # fmt: skip
+        run_grid(model, settings, cells, None, store, progress=progress, desc="sweep", run_batch=run_batch,
+                 batch_size=batch, batch_key=lambda c: (c.get("family", c.get("task")), c["length"]))  # fmt: skip
+        rows = sweep_rows(store.records(settings), settings, store.failures, lengths, families)
+        table = store.annotated(pareto_table(rows, lengths, families))
+        store.write(settings, table, extra={"rows": [dataclasses.asdict(r) for r in rows]})
+        atomic_write_text(store.out_dir / "pareto.md", table)
     return rows
 
 
@@ -236,7 +241,7 @@ def pareto_plot(rows: Sequence[SweepRow], length: int, path: str | Path) -> Path
     """Accuracy against measured sparsity at `length`: one marker per family, the worst family as a black
     cross, the worst-family Pareto front in red; beside it, when the run scored a text, perplexity against the
     same sparsity (None without matplotlib)."""
-    plt = _pyplot()
+    plt = load_pyplot()
     if plt is None:
         return None
 

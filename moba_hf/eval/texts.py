@@ -160,3 +160,53 @@ def prose_sentences() -> tuple[str, ...]:
 
 def prose_digest() -> str:
     return hashlib.sha1("\n".join(prose_sentences()).encode()).hexdigest()[:16]
+
+
+# modules whose source makes the offline code haystack (ships with Python: no download)
+CODE_MODULES = ("textwrap", "shlex", "fnmatch", "glob", "heapq", "string", "calendar", "difflib", "csv", "tokenize")
+
+
+@functools.lru_cache(maxsize=1)
+def code_lines() -> tuple[str, ...]:
+    """Source lines of CODE_MODULES, blank lines and lines over 100 characters left out, indentation kept. The
+    text depends on the Python version; `code_digest()` names it."""
+    import importlib
+    import inspect
+
+    lines = []
+    for name in CODE_MODULES:
+        for line in inspect.getsource(importlib.import_module(name)).splitlines():
+            if line.strip() and len(line) <= 100:
+                lines.append(line.rstrip())
+    return tuple(lines)
+
+
+def code_digest() -> str:
+    return hashlib.sha1("\n".join(code_lines()).encode()).hexdigest()[:16]
+
+
+_ITEM_COLOURS = ("red", "green", "blue", "grey", "white", "black", "yellow", "brown", "orange", "purple")
+_ITEM_THINGS = (
+    "umbrella", "kettle", "notebook", "scarf", "lamp", "basket", "teapot", "ladder", "blanket", "bucket",
+    "hammer", "candle", "mirror", "pillow", "shovel", "suitcase", "bicycle bell", "flower vase",
+)  # fmt: skip
+_ITEM_PLACES = (
+    "top shelf", "garden shed", "attic", "cellar", "hall cupboard", "kitchen drawer", "garage", "spare room",
+    "back porch", "wardrobe", "under the stairs", "bathroom cabinet",
+)  # fmt: skip
+_ITEM_STATES = ("clean", "dusty", "new", "broken", "borrowed", "packed", "on loan", "missing a handle", "wrapped")
+
+
+def generated_rows(n_rows: int, seed: int = 0) -> list[str]:
+    """`n_rows` lines of a household inventory, as bullet items and markdown table rows (no digits, so a number
+    in the list stands out as the fact), deterministic in `seed`."""
+    rng = random.Random(f"rows:{seed}")
+    rows = []
+    while len(rows) < n_rows:
+        colour, thing = rng.choice(_ITEM_COLOURS), rng.choice(_ITEM_THINGS)
+        place, state = rng.choice(_ITEM_PLACES), rng.choice(_ITEM_STATES)
+        if rng.random() < 0.5:
+            rows.append(f"- {colour} {thing}: {place}, {state}")
+        else:
+            rows.append(f"| {thing} | {colour} | {place} | {state} |")
+    return rows

@@ -24,7 +24,7 @@ from ..kernels import moba_attention, resolve_backend
 from ..kernels.common import causal_attention_unchecked, needs_grad
 from . import dca as dca_hf
 from . import sparsity
-from .cache import DENSE_STEP, cached_step
+from .cache import cached_step
 from .layout import sequence_spans
 from .support import SUPPORTED_MODEL_TYPES, check_supported  # noqa: F401 - re-exported
 
@@ -171,9 +171,8 @@ def moba_attention_forward(
 
     if not dense and dca is None:  # with a KV cache: keep the block state in step; sparse decode when it applies
         out = cached_step(module, query, key, value, attention_mask, config, scaling)
-        if isinstance(out, torch.Tensor):
+        if out is not None:
             return out.transpose(1, 2).contiguous(), None
-        dense = out == DENSE_STEP
 
     spans = sequence_spans(attention_mask, query.shape[0], nq, nk)
     if spans is None:

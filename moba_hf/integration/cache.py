@@ -25,21 +25,19 @@ import torch
 import torch.nn.functional as F
 
 from ..config import MobaConfig
-from ..kernels.common import gate_dtype, gate_features
-from ..kernels.decode import decode_crossover, moba_decode
+from ..kernels.common import gate_dtype, gate_features, gate_width
+from ..kernels.decode import moba_decode
 from . import sparsity
 
 logger = logging.getLogger("moba_hf")
 
 # above this many new queries a cached step runs the prefill kernel (which gates every query at once)
 DECODE_MAX_QUERIES = 8
-DENSE_STEP = "dense"  # `cached_step`'s answer when a dense step is the cheaper one
 
 _STATE_ATTR = "_moba_block_state"  # on the Cache: {layer_idx: BlockState}
 _CALL_ATTR = "_moba_call"  # on the attention module, during its forward: (cache ref, keys-before-update ref)
 _HOOKS_ATTR = "_moba_cache_hooks"  # on the attention module: hook handles
 _CHECKED_ATTR = "_moba_checked_layers"  # on the Cache: the layers `check_cache_supported` passed
-_STEP_ATTR = "_moba_step"  # on the Cache: the crossover of the forward in progress, with what it depends on
 
 
 # --- finding the cache from inside the attention function --------------------------------------------------------
@@ -72,7 +70,7 @@ def _pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     layer = getattr(module, "layer_idx", None)
     states = getattr(cache, _STATE_ATTR, None)
     state = states.get(layer) if states else None
-    if state is None:  # no block state (e.g. every step so far dense): nothing to be in step with
+    if state is None:  # no block state (e.g. a plain prefill so far): nothing to be in step with
         module.__dict__[_CALL_ATTR] = (weakref.ref(cache), False)
         return
     keys = _layer_keys(cache, layer)
@@ -137,11 +135,13 @@ def check_cache_supported(cache: Any, layer_idx: int | None) -> None:
 
 # --- the block state ------------------------------------------------------------------------------------------
 class BlockState:
-    """Running per-block key sums (and maxima, for max / bound pooling) of one layer's cache, per row and KV head.
+    """Running per-block key sums (and maxima, for max / bound pooling) of one layer's cache, per row and KV head,
+    and the pooled keys derived from them.
 
-    sums / maxes: [B, Hkv, capacity, D] (maxes: 2D for bound, the max of [k, -k]); counts[b]: real tokens of row
-    b so far; starts[b]: cache position of row b's first real token (= n while it has none); n: cache positions
-    covered.
+    sums / maxes: [B, Hkv, capacity, D] (maxes: 2D for bound, the max of [k, -k]); pooled: [B, Hkv, capacity,
+    D or 2D], what `block_keys` returns, re-derived only for the blocks an append touched (a decode step: one
+    block per row); counts[b]: real tokens of row b so far; starts[b]: cache position of row b's first real
+    token (= n while it has none); n: cache positions covered.
     """
 
     def __init__(self, keys: torch.Tensor, block_size: int, pooling: str) -> None:
@@ -154,9 +154,14 @@ class BlockState:
         self.sums = keys.new_zeros(b, hkv, 0, d, dtype=self.dtype) if pooling in ("mean", "mean+max") else None
         empty = keys.new_zeros(b, hkv, 0, d, dtype=self.dtype)
         self.maxes = gate_features(empty, pooling) if pooling != "mean" else None  # 2D wide for bound
+        self.pooled = keys.new_zeros(b, hkv, 0, gate_width(d, pooling), dtype=self.dtype)
+        self._stale = (0, 0)  # blocks lo .. hi - 1 whose pooled keys are out of date
         self.counts = torch.zeros(b, dtype=torch.long, device=keys.device)
         self.starts = torch.zeros(b, dtype=torch.long, device=keys.device)
         self.n = 0
+        # host copies read by every decode step (no tensor op, no device sync)
+        self.min_count = self.max_count = 0
+        self.contiguous = True  # every row's real tokens run without a gap to the end of the cache
         self.keys_ref: weakref.ref | None = None
 
     def matches(self, keys: torch.Tensor, block_size: int, pooling: str) -> bool:
@@ -165,7 +170,7 @@ class BlockState:
         return now == (self.block_size, self.pooling, self.shape, self.dtype, self.device)
 
     def _reserve(self, n_blocks: int) -> None:
-        have = (self.sums if self.sums is not None else self.maxes).shape[2]
+        have = self.pooled.shape[2]
         if n_blocks <= have:
             return
         grow = max(n_blocks, 2 * have) - have  # amortized doubling: no realloc per block
@@ -173,6 +178,7 @@ class BlockState:
             self.sums = F.pad(self.sums, (0, 0, 0, grow))
         if self.maxes is not None:
             self.maxes = F.pad(self.maxes, (0, 0, 0, grow), value=float("-inf"))
+        self.pooled = F.pad(self.pooled, (0, 0, 0, grow))
 
     def append(self, keys: torch.Tensor, real: torch.Tensor | None) -> None:
         """Add new cache tokens keys [B, Hkv, T, D]; real [B, T] bool marks non-pad tokens (None: all real)."""
@@ -181,27 +187,64 @@ class BlockState:
             return
         if real is not None and bool(real.all()):
             real = None
-        if real is None and t == 1 and self.sums is not None and self.maxes is None:
-            # one new token per row (decode, rows of any length): a single indexed add
+        if real is None and t == 1 and self.min_count == self.max_count:
+            self._append_token(keys[:, :, 0])
+            return
+        first_block = self.min_count // self.block_size
+        if real is None and t == 1:
+            # one new token per row (decode, rows of any length): one indexed update of each row's current block
             rows = torch.arange(keys.shape[0], device=keys.device)
             blocks = self.counts // self.block_size
-            self._reserve(int(blocks.max()) + 1)
-            self.sums[rows, :, blocks] += keys[:, :, 0].to(self.dtype)
-        elif real is None and bool((self.counts == self.counts[0]).all()):
-            self._accumulate(slice(None), keys, int(self.counts[0]))
+            self._reserve(self.max_count // self.block_size + 1)
+            x = keys[:, :, 0].to(self.dtype)  # [B, Hkv, D]
+            if self.sums is not None:
+                self.sums[rows, :, blocks] += x
+            if self.maxes is not None:
+                self.maxes[rows, :, blocks] = torch.maximum(self.maxes[rows, :, blocks], gate_features(x, self.pooling))
+        elif real is None and self.min_count == self.max_count:
+            self._accumulate(slice(None), keys, self.min_count)
         else:
+            counts = self.counts.tolist()
             for row in range(keys.shape[0]):
                 x = keys[row : row + 1] if real is None else keys[row : row + 1, :, real[row]]
                 if x.shape[2]:
-                    self._accumulate(slice(row, row + 1), x, int(self.counts[row]))
-        new_real = torch.full_like(self.counts, t) if real is None else real.sum(-1)
+                    self._accumulate(slice(row, row + 1), x, counts[row])
         if real is None:
-            first_new = torch.zeros_like(self.counts)
-        else:
+            self.starts = torch.where(self.counts == 0, self.n, self.starts)
+            self.counts = self.counts + t
+            self.min_count, self.max_count = self.min_count + t, self.max_count + t
+        else:  # padded rows (a prefill): the host copies are read back once
             first_new = torch.where(real.any(-1), real.to(torch.int8).argmax(-1), t)
-        self.starts = torch.where(self.counts == 0, self.n + first_new, self.starts)
-        self.counts = self.counts + new_real
+            self.starts = torch.where(self.counts == 0, self.n + first_new, self.starts)
+            self.counts = self.counts + real.sum(-1)
+            self.min_count, self.max_count = int(self.counts.min()), int(self.counts.max())
         self.n += t
+        if real is not None:
+            self.contiguous = bool((self.starts + self.counts == self.n).all())
+        # (all-real tokens keep rows as they were: a contiguous row stays contiguous, a gap stays)
+        last_block = -(-self.max_count // self.block_size)
+        lo, hi = self._stale
+        self._stale = (first_block, last_block) if hi <= lo else (min(lo, first_block), max(hi, last_block))
+
+    def _append_token(self, x: torch.Tensor) -> None:
+        """One new real token per row, every row holding as many (a decode step without padding): a few in-place
+        ops on one block, no index tensor (this runs per layer and token)."""
+        count = self.min_count
+        block = count // self.block_size
+        self._reserve(block + 1)
+        x = x.to(self.dtype)  # [B, Hkv, D]
+        if self.sums is not None:
+            self.sums[:, :, block] += x
+        if self.maxes is not None:
+            maxes = self.maxes[:, :, block]
+            torch.maximum(maxes, gate_features(x, self.pooling), out=maxes)
+        if count == 0:
+            self.starts = torch.full_like(self.starts, self.n)
+        self.counts += 1
+        self.min_count = self.max_count = count + 1
+        self.n += 1
+        lo, hi = self._stale
+        self._stale = (block, block + 1) if hi <= lo else (min(lo, block), max(hi, block + 1))
 
     def _accumulate(self, rows: slice, x: torch.Tensor, count: int) -> None:
         """Add x [b, Hkv, r, D], the real tokens count .. count + r - 1 of `rows`, into their blocks."""
@@ -211,7 +254,7 @@ class BlockState:
         self._reserve(first + n_blk)
         x = x.to(self.dtype)
         features = gate_features(x, self.pooling)  # what the maxima run over
-        if n_blk == 1:  # decode: one token into one block, no padding
+        if n_blk == 1:  # one block, no padding
             if self.sums is not None:
                 self.sums[rows, :, first] += x.sum(2)
             if self.maxes is not None:
@@ -226,21 +269,39 @@ class BlockState:
             self.maxes[rows] = self.maxes[rows].scatter_reduce(2, index, features, "amax")
 
     def block_keys(self, n_blocks: int | None = None) -> torch.Tensor:
-        """Pooled keys [B, Hkv, n_blocks, D (2D for mean+max and bound)] in each row's sequence layout."""
+        """Pooled keys [B, Hkv, n_blocks, D (2D for mean+max and bound)] in each row's sequence layout (blocks no
+        row has reached are zeros). A view of the kept pooled keys: valid until the next `append`."""
         bs = self.block_size
-        nb = -(-int(self.counts.max()) // bs) if n_blocks is None else n_blocks
-        pooled = []
+        nb = -(-self.max_count // bs) if n_blocks is None else n_blocks
+        self._reserve(nb)
+        lo, hi = self._stale
+        if hi - lo == 1 and self.min_count == self.max_count:  # a decode step: one block, one fill for all rows
+            self._pool_block(lo, min(bs, max(0, self.min_count - lo * bs)))
+        elif hi > lo:
+            filled = (self.counts[:, None] - torch.arange(lo, hi, device=self.device) * bs).clamp(0, bs)
+            pooled = []
+            if self.sums is not None:
+                pooled.append(self.sums[:, :, lo:hi] / filled.clamp(min=1).to(self.dtype)[:, None, :, None])
+            if self.maxes is not None:  # empty (future) blocks: zeros, never selected
+                pooled.append(self.maxes[:, :, lo:hi].masked_fill((filled == 0)[:, None, :, None], 0.0))
+            self.pooled[:, :, lo:hi] = pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=-1)
+            self._stale = (0, 0)
+        return self.pooled[:, :, :nb]
+
+    def _pool_block(self, block: int, filled: int) -> None:
+        """Re-derive the pooled key of `block`, which holds `filled` keys in every row (the arithmetic of the
+        general case in `block_keys`, written in place)."""
+        d = self.shape[2]
         if self.sums is not None:
-            filled = (self.counts[:, None] - torch.arange(nb, device=self.device) * bs).clamp(0, bs)
-            pooled.append(self.sums[:, :, :nb] / filled.clamp(min=1).to(self.dtype)[:, None, :, None])
+            torch.div(self.sums[:, :, block], max(filled, 1), out=self.pooled[:, :, block, :d])
         if self.maxes is not None:
-            maxes = self.maxes[:, :, :nb]
-            pooled.append(torch.where(torch.isinf(maxes), 0.0, maxes))  # empty (future) blocks: never selected
-        return pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=-1)
+            target = self.pooled[:, :, block, d:] if self.sums is not None else self.pooled[:, :, block]
+            target.copy_(self.maxes[:, :, block]) if filled else target.zero_()
+        self._stale = (0, 0)
 
     def contiguous_rows(self) -> bool:
         """Every row's real tokens run without a gap to the end of the cache (left padding at most)."""
-        return bool((self.starts + self.counts == self.n).all())
+        return self.contiguous
 
 
 def block_state(
@@ -282,18 +343,6 @@ def block_state(
 
 
 # --- the cached step ---------------------------------------------------------------------------------------------
-def _step_crossover(cache: Any, query: torch.Tensor, key: torch.Tensor, config: MobaConfig) -> int:
-    """`decode_crossover` for a decode step, looked up once per forward: the layers of a forward share the cache
-    length, the config and (in the models "moba" runs) the heads, dtype and device, and so the answer."""
-    step = (key.shape[2], config, query.shape, key.shape[1], query.dtype, query.device, torch.get_num_threads())
-    memo = getattr(cache, _STEP_ATTR, None)
-    if memo is None or memo[0] != step:
-        crossover = decode_crossover(query, key, block_size=config.block_size, top_k=config.top_k, gate=config.gate)
-        memo = (step, crossover)
-        setattr(cache, _STEP_ATTR, memo)
-    return memo[1]
-
-
 def cached_step(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -302,10 +351,9 @@ def cached_step(
     padding_mask: torch.Tensor | None,
     config: MobaConfig,
     scale: float | None,
-) -> torch.Tensor | str | None:
-    """Sparse decode for a MoBA layer with a cache: [B, Hq, Nq, D]; DENSE_STEP when the cache has fewer blocks
-    than `decode_crossover` (a dense step is cheaper there, and attends a superset of MoBA's blocks); or None to
-    run the ordinary path.
+) -> torch.Tensor | None:
+    """Sparse decode for a MoBA layer with a cache: [B, Hq, Nq, D], MoBA's blocks over the cache at every step
+    whatever its length (the same math as a forward without a cache); or None to run the ordinary path.
 
     Only with decode="moba", Nq <= DECODE_MAX_QUERIES new queries, every row's real tokens contiguous and
     all new tokens real (what `generate` does, left padding included). Otherwise the block state, if the
@@ -326,22 +374,14 @@ def cached_step(
     nq, nk = query.shape[2], key.shape[2]
     decode = config.decode == "moba" and nq < nk and nq <= DECODE_MAX_QUERIES and layer is not None
     decode = decode and not config.tail_queries(nq)  # a dense tail runs on the prefill path
-    crossover = 0  # measured only for decode steps: prefill and dense calls never pay for it
-    if decode:
-        crossover = _step_crossover(cache, query, key, config)
-    if decode and -(-nk // config.block_size) < crossover:
-        # a dense step for sure (no row holds more than nk tokens): no block state is built for it; one built
-        # earlier stays in step, and the first sparse step builds one from the cache
-        block_state(cache, layer, key, in_step, padding_mask, config, create=False)
-        return DENSE_STEP
     state = block_state(cache, layer, key, in_step, padding_mask, config, create=decode) if layer is not None else None
-    if not decode or state is None or not state.contiguous_rows() or bool((state.counts < nq).any()):
+    if not decode or state is None or not state.contiguous_rows() or state.min_count < nq:
         return None
-    if -(-int(state.counts.max()) // config.block_size) < crossover:
-        return DENSE_STEP
+    # `config.kernel_kwargs()` spelled out: this runs per layer and token
     out, selected = moba_decode(
         query, key, value, state.block_keys(), scale=scale, starts=state.starts, return_selection=True,
-        **config.kernel_kwargs(),
+        block_size=config.block_size, top_k=config.top_k, pooling=config.pooling, sink_blocks=config.sink_blocks,
+        local_blocks=config.local_blocks,
     )  # fmt: skip
     if sparsity.tracking():
         attended = sum(

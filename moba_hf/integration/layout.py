@@ -24,15 +24,22 @@ from collections.abc import Callable
 import torch
 
 
+def check_attention_mask(attention_mask: torch.Tensor, batch_size: int, key_length: int) -> None:
+    """Refuse a 2-D attention_mask that is not one row per batch row and one column per key (the cached keys
+    included): a shorter or longer mask would mark the wrong keys as padding, a single row would hide the others'."""
+    if tuple(attention_mask.shape) != (batch_size, key_length):
+        raise ValueError(
+            f"attention_mask must have shape (batch, keys) = ({batch_size}, {key_length}): one column per key, the "
+            f"cached ones included; got shape {tuple(attention_mask.shape)}"
+        )
+
+
 def padding_mask_2d(attention_mask: torch.Tensor | None, kv_length: int, kv_offset: int = 0) -> torch.Tensor | None:
-    """[B, kv_length] bool of real (non-pad) keys, or None when every key is real."""
+    """[B, kv_length] bool of real (non-pad) keys kv_offset .. kv_offset + kv_length - 1 of a [B, kv_offset +
+    kv_length] attention mask (see `check_attention_mask`), or None when every key is real."""
     if attention_mask is None:
         return None
-    mask = attention_mask.to(torch.bool)
-    missing = kv_length + kv_offset - mask.shape[-1]
-    if missing > 0:
-        mask = torch.nn.functional.pad(mask, (0, missing), value=True)
-    mask = mask[:, kv_offset : kv_offset + kv_length]
+    mask = attention_mask.to(torch.bool)[:, kv_offset : kv_offset + kv_length]
     return None if bool(mask.all()) else mask
 
 
@@ -76,6 +83,7 @@ def forward_layout(
     """The layout tensor (see the module docstring) for one forward, from the arguments transformers hands the
     "moba" mask function. With an attention mask transformers never packs, so only padding can split a row."""
     if attention_mask is not None:
+        check_attention_mask(attention_mask, batch_size, kv_offset + kv_length)
         return padding_mask_2d(attention_mask, kv_length, kv_offset)
     return packed_documents(mask_function, batch_size, q_length, kv_length, kv_offset, device)
 

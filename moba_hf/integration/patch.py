@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -11,10 +12,12 @@ from .attention import drop_settings
 from .cache import install_model_hooks, remove_hooks
 from .dca import drop_cached_frequencies
 from .dca import resolve as resolve_dca
-from .register import NAME, register
+from .register import CONFIG_FIELD, NAME, register
 from .support import check_supported, family_of
 
-_PREVIOUS = "_moba_previous"  # attribute on the model: (attn_implementation, moba_config) before apply()
+# attribute on the model: what `revert` restores, recorded by the first `apply`:
+# (config._attn_implementation, whether config.__dict__ held a moba_config, a copy of that moba_config)
+_PREVIOUS = "_moba_previous"
 
 ConfigLike = MobaConfig | Mapping[str, Any] | str | Path | None
 
@@ -27,18 +30,32 @@ def as_moba_config(config: ConfigLike) -> MobaConfig:
 def apply(model: Any, config: ConfigLike = None) -> Any:
     """Switch a loaded decoder model (see `check_supported`) to MoBA attention with `config`; returns the model.
 
-    With config=None the model keeps the moba_config it already carries (or gets the defaults).
+    With config=None the model keeps the moba_config it already carries (or gets the defaults). The first `apply`
+    on a model records its attention implementation and moba_config for `revert`; later ones switch settings.
     """
+    moba = _validate(model, config)  # a bad config changes nothing
+    if not hasattr(model, _PREVIOUS):
+        had = CONFIG_FIELD in vars(model.config)
+        previous = copy.deepcopy(vars(model.config)[CONFIG_FIELD]) if had else None
+        setattr(model, _PREVIOUS, (model.config._attn_implementation, had, previous))
+    return _switch(model, moba)
+
+
+def _validate(model: Any, config: ConfigLike) -> MobaConfig:
+    """The MobaConfig `apply(model, config)` switches to, checked against the model."""
     check_supported(model.config)
-    if config is None and getattr(model.config, "moba_config", None) is not None:
+    if config is None and getattr(model.config, CONFIG_FIELD, None) is not None:
         moba = as_moba_config(model.config.moba_config)
     else:
         moba = as_moba_config(config)
     moba.full_layer_set(model.config.num_hidden_layers)  # validates explicit layer ids now, not mid-forward
     resolve_dca(moba.dca, model.config, moba.block_size if moba.sparse else None)  # DCA errors now, too
+    return moba
+
+
+def _switch(model: Any, moba: MobaConfig) -> Any:
+    """MoBA with `moba` (from `_validate`), recording nothing for `revert`."""
     register()
-    if not hasattr(model, _PREVIOUS):
-        setattr(model, _PREVIOUS, (model.config._attn_implementation, getattr(model.config, "moba_config", None)))
     model.config.moba_config = moba.to_dict()
     model.set_attn_implementation(NAME)
     install_model_hooks(model, family_of(type(model.config)).attentions)  # the KV-cache hooks; revert removes them
@@ -46,20 +63,25 @@ def apply(model: Any, config: ConfigLike = None) -> Any:
 
 
 def revert(model: Any) -> Any:
-    """Restore the attention implementation (and moba_config) the model had before `apply`."""
+    """Restore exactly the attention implementation and moba_config the model had before its first `apply`
+    (for a model from `from_pretrained(..., moba=...)` or `attn_implementation="moba"`: the MoBA it loaded with);
+    returns the model. A model `apply` never touched (or already reverted) is returned unchanged: revert is
+    idempotent, so it can close any block that may have applied. To attend densely instead, call
+    `model.set_attn_implementation("sdpa")`."""
     if not hasattr(model, _PREVIOUS):
         return model
-    implementation, moba_config = getattr(model, _PREVIOUS)
+    implementation, had, moba_config = getattr(model, _PREVIOUS)
     delattr(model, _PREVIOUS)
     remove_hooks(model)  # the KV-cache hooks apply (or moba attention's first call) installed
     drop_cached_frequencies(model)
     drop_settings(model)
-    if moba_config is None:
-        if "moba_config" in vars(model.config):
-            del model.config.moba_config
-    else:
+    if had:
         model.config.moba_config = moba_config
+    elif CONFIG_FIELD in vars(model.config):
+        del model.config.moba_config  # the class default (None) shows again
     model.set_attn_implementation(implementation or "sdpa")
+    if implementation == NAME:
+        install_model_hooks(model, family_of(type(model.config)).attentions)
     return model
 
 
@@ -82,4 +104,5 @@ def from_pretrained(name_or_path: str | Path, moba: ConfigLike = None, **kwargs:
     model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
     if kwargs["attn_implementation"] != NAME:
         return model
-    return apply(model, moba)
+    # the MoBA the model comes with, as if loaded with moba_config=...: what `revert` returns to after an `apply`
+    return _switch(model, _validate(model, moba))

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .attention import moba_attention_forward
-from .layout import forward_layout
+from .layout import check_attention_mask, forward_layout
 
 NAME = "moba"
 CONFIG_FIELD = "moba_config"
@@ -36,6 +36,8 @@ def moba_mask(
     cache_position = kwargs.get("cache_position")
     if q_length is None and cache_position is not None:  # older transformers pass the query positions instead
         q_length, q_offset = cache_position.shape[0], int(cache_position[0])
+    if attention_mask is not None and not isinstance(q_offset, torch.Tensor):  # without a cache kv_length is its
+        check_attention_mask(attention_mask, batch_size, q_offset + q_length)  # length: check it against the queries
     if isinstance(q_offset, torch.Tensor) or q_offset + q_length != kv_offset + kv_length:
         raise ValueError(
             "moba attention needs the queries to be the newest keys (DynamicCache, the default); "

@@ -23,6 +23,7 @@ from .common import (
     check_moba_args,
     cuda_or_triton_interpreter,
     flash_attn_takes,
+    flex_takes,
     gate_scores,
     needs_grad,
     selected_blocks,
@@ -65,8 +66,8 @@ _REGISTRY: dict[str, Backend] = {
     for b in (
         Backend("reference", "moba_hf.kernels.reference:moba_attention_reference", auto_rank=1000),
         Backend("torch", "moba_hf.kernels.torch_impl:moba_attention_torch", auto_rank=30),
-        Backend("flex", "moba_hf.kernels.flex:moba_attention_flex", auto_may_pick=_cuda, has_backward=_cuda,
-                auto_rank=40),
+        Backend("flex", "moba_hf.kernels.flex:moba_attention_flex", runs_on=flex_takes, auto_may_pick=_cuda,
+                has_backward=_cuda, auto_rank=40),
         Backend("triton", "moba_hf.kernels.triton_impl:moba_attention_triton", runs_on=cuda_or_triton_interpreter,
                 auto_may_pick=_cuda, auto_rank=10),
         Backend("flash", "moba_hf.kernels.flash:moba_attention_flash", runs_on=flash_attn_takes,
@@ -148,7 +149,7 @@ def resolve_backend(backend: str, q: torch.Tensor, *, needs_grad: bool = False) 
     if _load(backend) is None:
         reason = _unavailable.get(backend, "not importable")
     elif not entry.runs_on(q):
-        reason = f"does not run on {q.device.type} tensors"
+        reason = f"does not run on {q.device.type} {str(q.dtype).removeprefix('torch.')} tensors"
     elif needs_grad and not entry.has_backward(q):
         reason = f"has no backward on {q.device.type}"
     if reason is None:
@@ -182,7 +183,9 @@ def moba_attention(
     Keys are cut into blocks of `block_size`; each query attends its own block causally plus the
     `top_k - 1` earlier blocks with the highest gate score q . pool(K_block) (top_k counts the own block;
     top_k = 1 means own block only; top_k >= number of blocks means plain causal attention).
-    `scale` defaults to head_dim ** -0.5 (else a finite number > 0); q, k, v: floating point, one dtype, one device.
+    `scale` defaults to head_dim ** -0.5 (else a finite number > 0; at most 3.4e38, float32's largest, for float32
+    and 16-bit inputs, whose scores are float32; one that rounds to 0 there weighs every attended key equally, as
+    in the reference); q, k, v: floating point, one dtype, one device.
     `pooling`, `sink_blocks`, `local_blocks`: see `MobaConfig`. The last `dense_tail` queries (all of them when
     Nq <= dense_tail) attend every earlier key, as `causal_attention`.
     """

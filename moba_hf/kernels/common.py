@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-_MAX_PASS_PICKS = 2  # up to this many gated picks per query, repeated max passes select instead of topk
+from ..options import POOLINGS  # torch-free, shared with moba_hf.config
 
-POOLINGS = ("mean", "max", "mean+max", "bound")
+_MAX_PASS_PICKS = 2  # up to this many gated picks per query, repeated max passes select instead of topk
 
 
 def check_count(name: str, value: object, low: int) -> None:
@@ -78,6 +78,8 @@ def check_moba_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_
     if q.shape[0] < 1 or q.shape[3] < 1:
         raise ValueError(f"batch (dim 0) and head_dim (dim 3) must be >= 1, got q shape {tuple(q.shape)}")
     hq, hkv = q.shape[1], k.shape[1]
+    if hq < 1:  # a result with no heads is never what a model meant (the selection would divide by zero)
+        raise ValueError(f"query heads (dim 1) must be >= 1, got q shape {tuple(q.shape)}")
     if hkv == 0 or hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
     nq, nk = q.shape[2], k.shape[2]
@@ -105,6 +107,22 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: objec
         isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0
     ):
         raise ValueError(f"scale must be None (head_dim ** -0.5) or a finite number > 0, got {scale!r}")
+    if scale is not None and gate_dtype(q.dtype) == torch.float32 and scale > _FLOAT32_MAX:
+        # scores are computed in float32 there: the scale would be inf, every score inf or NaN
+        raise ValueError(
+            f"scale must be at most {_FLOAT32_MAX:.6g} (float32's largest value) for {q.dtype} inputs, whose "
+            f"scores are computed in float32; got {scale!r}"
+        )
+
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+_FLOAT32_UNDERFLOW = math.ldexp(1.0, -150)  # a double at or below it rounds to 0 in float32
+
+
+def scale_underflows(scale: float, dtype: torch.dtype) -> bool:
+    """Whether `scale` rounds to 0 in the scores' dtype (float32 unless `dtype` is float64): every score is then 0,
+    as in the reference, but kernels that mask by multiplying -inf with the scale turn masked scores into NaN."""
+    return dtype != torch.float64 and scale <= _FLOAT32_UNDERFLOW
 
 
 def effective_block_size(block_size: int, seq_len: int) -> int:
@@ -243,7 +261,9 @@ def choose_blocks(
     gate: GateOptions,
     first_block: int = 0,
 ) -> torch.Tensor:
-    """The MoBA selection rule, given each query's current block [Nq] and its gate scores.
+    """The MoBA selection rule, given each query's current block and its gate scores.
+
+    current: [Nq], or [B, 1, Nq] when batch rows differ (decode over left-padded rows).
 
     `scores()` returns a new [B, Hq, Nq, n_blocks] tensor (masked in place) and is called only when some block is
     gated (top_k > 1). Returns
@@ -254,29 +274,32 @@ def choose_blocks(
     """
     sink_blocks, local_blocks = gate.sink_blocks, gate.local_blocks
     blk = torch.arange(n_blocks, device=current.device)
-    earlier = blk[None, :] < current[:, None]  # [Nq, nb]
-    forced = blk[None, :] == current[:, None]
+    earlier = blk < current[..., None]  # [..., Nq, nb]
+    forced = blk == current[..., None]
     if sink_blocks:
-        forced = forced | (earlier & (blk[None, :] < sink_blocks))
+        forced = forced | (earlier & (blk < sink_blocks))
     if local_blocks:
-        forced = forced | (earlier & (blk[None, :] >= current[:, None] - local_blocks))
-    selected = forced.expand(*batch_heads, *forced.shape)
+        forced = forced | (earlier & (blk >= current[..., None] - local_blocks))
+    selected = forced.expand(*batch_heads, *forced.shape[-2:])
     n_pick = min(top_k - 1, n_blocks)
     if n_pick <= 0:
         return selected
     # a NaN score (a NaN key pooled into the block, or a NaN query) ranks first, as in torch.max / topk, and its
     # block is picked: the row then attends the NaN and shows it instead of hiding it behind other blocks
     gated = scores()
+    # -inf marks the blocks a row may not pick: a candidate scoring -inf (an inf key pooled into it) ranks last
+    # among candidates instead, so top_k >= the blocks still attends every earlier block (clamp keeps NaN)
+    gated.clamp_(min=torch.finfo(gated.dtype).min)
     excluded = ~(earlier & ~forced)
     # columns between the sink blocks and the first query's local window are candidates for every row: only the
     # columns around them need the mask (a long prefill's slice then masks a few columns, not all of them)
     first = max(0, first_block - local_blocks)
     if sink_blocks:
-        gated[..., :sink_blocks].masked_fill_(excluded[:, :sink_blocks], float("-inf"))
-    gated[..., first:].masked_fill_(excluded[:, first:], float("-inf"))
+        gated[..., :sink_blocks].masked_fill_(excluded[..., :sink_blocks], float("-inf"))
+    gated[..., first:].masked_fill_(excluded[..., first:], float("-inf"))
     picked = torch.zeros_like(gated, dtype=torch.bool)
     if n_pick <= _MAX_PASS_PICKS:  # a max pass per pick beats topk for the paper's top_k = 3 (1.7x on CPU)
-        own = current.view(1, 1, -1, 1).expand(*gated.shape[:-1], 1)
+        own = current[..., None].expand(*gated.shape[:-1], 1)
         for _ in range(n_pick):
             best, index = gated.max(dim=-1, keepdim=True)
             gated.scatter_(-1, index, float("-inf"))
@@ -347,9 +370,11 @@ def causal_attention_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     layer and token)."""
     nq, nk = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
-    if 1 < nq < nk and not (all_finite(k) and all_finite(v)):
-        return _causal_math(q, k, v, scale)  # SDPA adds its boolean mask: a masked NaN key would leak (NaN - inf)
-    if nq == nk:
+    # exact for NaN / inf: SDPA adds its boolean mask (a masked NaN key would leak, NaN - inf), and its causal
+    # kernel multiplies a masked probability 0 by the value (0 * NaN = NaN in rows that never attend it)
+    if nq > 1 and not (all_finite(v) and (nq == nk or all_finite(k))):
+        return _causal_math(q, k, v, scale)
+    if nq == nk and not (scale is not None and scale_underflows(scale, q.dtype)):  # is_causal: -inf * 0 = NaN
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     if nq == 1:
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
@@ -561,6 +586,14 @@ def route_nonfinite(
 def cuda_or_triton_interpreter(q: torch.Tensor) -> bool:
     """Where the Triton kernels run: CUDA tensors, or any with the interpreter on (TRITON_INTERPRET=1)."""
     return q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+FLEX_CPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # FlexAttention's CPU kernel has no float64
+
+
+def flex_takes(q: torch.Tensor) -> bool:
+    """What FlexAttention runs: any tensor off the CPU, CPU tensors of `FLEX_CPU_DTYPES`."""
+    return q.device.type != "cpu" or q.dtype in FLEX_CPU_DTYPES
 
 
 def flash_attn_takes(q: torch.Tensor) -> bool:

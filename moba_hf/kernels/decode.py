@@ -1,5 +1,6 @@
 """Sparse MoBA decode: a few new queries read the pooled block keys and only their selected cache blocks.
 
+`decode = "moba"` runs this at every decode step, whatever the cache length: the configuration fixes the math.
 The caller keeps the pooled keys of the cache's blocks up to date (running sums, see
 `moba_hf.integration.cache`), so a step costs O(blocks) for the gate plus O(top_k * block_size) for attention,
 not O(cache length). Rows may start at different cache positions (left padding)::
@@ -7,31 +8,44 @@ not O(cache length). Rows may start at different cache positions (left padding):
     cache row b   pad pad | x x x x | x x x x | x q      starts[b] = 2, block_size = 4
     sequence pos          | 0 1 2 3 | 4 5 6 7 | 8 9      the query is at sequence position 9, block 2
 
-Selection goes through `selected_blocks` itself (with one "key" per block, block_size 1), so decode picks
-the blocks prefill would pick for a query at the same position, ties included.
+Selection goes through `choose_blocks`, the rule prefill uses, so decode picks the blocks prefill would pick for a
+query at the same position, ties included. A step is a fixed, small number of batched ops (no loop over rows,
+heads or blocks): one gate matmul, the selection, then the attention over the selected blocks. On CPU in float32 /
+float64 it reads them where they lie (q.k sampled at the selected keys, a weighted sum of their value rows:
+nothing of the cache is copied); elsewhere (a paged cache, bfloat16, CUDA, autograd) the union of the blocks a
+KV head's query heads selected is copied once per head, then one masked attention. Both compute the same result.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import time
+import threading
+import warnings
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from .common import (
     GateOptions,
+    all_finite,
     check_inputs,
     check_moba_args,
+    choose_blocks,
     gate_dtype,
     gate_queries,
     gate_width,
     masked_matmul,
+    needs_grad,
     pooled_keys,
-    selected_blocks,
 )
 from .workers import run_single_threaded
+
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+# the gathered blocks of a CPU step go into buffers kept per thread: a fresh allocation of a few MiB comes back
+# from the OS page by page at every step (page faults cost as much as a dense pass over an 8K cache)
+_WORKSPACE_MAX_BYTES = 64 << 20
+_workspace = threading.local()
 
 
 def check_decode_args(
@@ -48,6 +62,9 @@ def check_decode_args(
 ) -> None:
     check_inputs(q, k, v, scale)
     check_moba_args(q, k, v, block_size=block_size, top_k=top_k)
+    if not isinstance(block_keys, torch.Tensor) or not block_keys.is_floating_point():
+        got = block_keys.dtype if isinstance(block_keys, torch.Tensor) else type(block_keys).__name__
+        raise ValueError(f"block_keys must be a floating-point tensor (the pooled keys), got {got}")
     if block_keys.dim() != 4:
         raise ValueError(f"block_keys must be 4-D, got shape {tuple(block_keys.shape)}")
     b, hq, nq, d = q.shape
@@ -58,14 +75,34 @@ def check_decode_args(
             f"block_keys must be [B={b}, Hkv={hkv}, n_blocks, {width}] for pooling={gate.pooling!r}, "
             f"got {tuple(block_keys.shape)}"
         )
-    if starts is not None and (starts.shape != (b,) or bool((starts < 0).any()) or bool((nk - starts < nq).any())):
-        raise ValueError(f"starts must be [B={b}] cache positions with at least Nq={nq} tokens after them (Nk={nk})")
+    if block_keys.device != q.device:
+        raise ValueError(f"block_keys must be on q's device ({q.device}), got {block_keys.device}")
+    if starts is None:
+        return
+    accepted = f"None or a [B={b}] integer tensor (int64, int32, int16, int8 or uint8) of cache positions"
+    if not isinstance(starts, torch.Tensor):
+        raise ValueError(f"starts must be {accepted}, got {type(starts).__name__} {starts!r}")
+    if starts.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"starts must be {accepted}, got a {starts.dtype} tensor {_show(starts)}")
+    if starts.shape != (b,):
+        raise ValueError(f"starts must be {accepted}, got shape {tuple(starts.shape)}")
+    low, high = int(starts.min()), int(starts.max())
+    if low < 0 or nk - high < nq:
+        raise ValueError(
+            f"starts must be [B={b}] cache positions in 0..{nk - nq} (at least Nq={nq} tokens after them, "
+            f"Nk={nk}), got {_show(starts)}"
+        )
+
+
+def _show(t: torch.Tensor) -> str:
+    values = t.flatten()[:8].tolist()
+    return f"{values}{' ...' if t.numel() > 8 else ''}"
 
 
 def decode_selection(
     q: torch.Tensor,
     block_keys: torch.Tensor,
-    lengths: list[int],
+    lengths: torch.Tensor,
     *,
     block_size: int,
     top_k: int,
@@ -73,30 +110,21 @@ def decode_selection(
 ) -> torch.Tensor:
     """Blocks each query attends: bool [B, Hq, Nq, n_blocks] (n_blocks = block_keys.shape[2]).
 
-    q: [B, Hq, Nq, D], the last Nq tokens of row b's sequence of `lengths[b]` tokens;
-    block_keys: [B, Hkv, n_blocks, D] pooled keys (2D for "mean+max" and "bound", see `pooled_keys`).
+    q: [B, Hq, Nq, D], the last Nq tokens of row b's sequence of `lengths[b]` tokens (lengths: [B] long);
+    block_keys: [B, Hkv, n_blocks, D] pooled keys (2D for "mean+max" and "bound", see `pooled_keys`), covering
+    every row's blocks (later entries are never selected: they lie after each query's own block).
     """
-    b, hq, nq, _ = q.shape
-    nb = block_keys.shape[2]
-    gate_q = gate_queries(q, gate.pooling)  # one dot product with the pooled keys gives the gate score
-    pooled_gate = dataclasses.replace(gate, pooling="mean")  # the mean of one key is that key
-    out = torch.zeros(b, hq, nq, nb, dtype=torch.bool, device=q.device)
-    for i in range(nq):
-        # rows whose query i sits in the same block select together (usually all rows)
-        current = [(lengths[r] - nq + i) // block_size for r in range(b)]
-        for c in sorted(set(current)):
-            rows = [r for r in range(b) if current[r] == c]
-            index = torch.tensor(rows, device=q.device) if len(rows) < b else slice(None)
-            sel = selected_blocks(
-                gate_q[index, :, i : i + 1],
-                block_keys[index, :, : c + 1],
-                block_size=1,  # one pooled key per block: the gate sees the same scores as in prefill
-                top_k=top_k,
-                gate=pooled_gate,
-                q_start=c,
-            )
-            out[index, :, i : i + 1, : c + 1] = sel
-    return out
+    b, hq, nq, d = q.shape
+    hkv, nb = block_keys.shape[1], block_keys.shape[2]
+    position = lengths[:, None] - nq + torch.arange(nq, device=q.device)  # [B, Nq] in each row's sequence
+    current = (position // block_size)[:, None]  # [B, 1, Nq]
+
+    def scores() -> torch.Tensor:  # one matmul: [B, Hkv, g * Nq, W] @ [B, Hkv, W, nb], rows (query head, query)
+        gate_q = gate_queries(q.to(block_keys.dtype).reshape(b, hkv, -1, d), gate.pooling)
+        return (gate_q @ block_keys.transpose(-1, -2)).view(b, hq, nq, nb)
+
+    with torch.no_grad():
+        return choose_blocks(current, nb, scores, batch_heads=(b, hq), top_k=top_k, gate=gate)
 
 
 def moba_decode(
@@ -120,18 +148,21 @@ def moba_decode(
     k, v: [B, Hkv, Nk, D] -- the cache including the queries' own keys.
     block_keys: [B, Hkv, n_blocks, D] (2D for "mean+max" and "bound") -- each block's pooled keys in row b's sequence
         layout, covering at least the blocks of all Nk - starts[b] tokens; later entries are ignored.
-    starts: [B] long -- cache position where row b's sequence begins (left padding); None means 0.
+    starts: [B] integer tensor -- cache position where row b's sequence begins (left padding); None means 0.
         Row b's sequence is cache positions starts[b] .. Nk - 1, all real tokens.
     Returns [B, Hq, Nq, D] in q's dtype (and the selection [B, Hq, Nq, n_blocks] if `return_selection`):
     exactly `moba_attention(q_b, k_b, v_b, ...)` for every row's sequence, with `block_keys` as the gate's keys.
     """
     gate = GateOptions(pooling, sink_blocks, local_blocks)
     check_decode_args(q, k, v, block_keys, block_size=block_size, top_k=top_k, gate=gate, starts=starts, scale=scale)
-    # a decode step is dozens of small ops: one thread runs them faster than several (see `workers`)
-    return run_single_threaded(
-        lambda: _decode(q, DenseCache(k, v), block_keys, block_size, top_k, scale, gate, starts, return_selection),
-        q.device,
-    )
+    cache = DenseCache(k, v)
+    step = lambda: _decode(q, cache, block_keys, block_size, top_k, scale, gate, starts, return_selection)  # noqa: E731
+    if _reads_in_place(q, cache):
+        # a few ops over the selected keys in place: run here; handing them to a worker thread costs a wake-up,
+        # which on a loaded machine is more than the step itself
+        return step()
+    # the copying path is dozens of small ops: one thread runs them faster than several (see `workers`)
+    return run_single_threaded(step, q.device)
 
 
 class CacheWindows(Protocol):
@@ -147,7 +178,9 @@ class CacheWindows(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class DenseCache:
-    """k, v: [B, Hkv, Nk, D] tensors; a window is one 2-D row gather of the flattened keys (no other copy)."""
+    """k, v: [B, Hkv, Nk, D] tensors. A window of a (row, head) is one contiguous run of width * D numbers, so a
+    contiguous cache is read with one `index_select` of U windows per (row, head): the index holds one entry per
+    window, and only the windows are copied."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -158,12 +191,42 @@ class DenseCache:
 
     def windows(self, start: torch.Tensor, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         b, hkv, nk, d = self.k.shape
-        dev = self.k.device
-        first = (torch.arange(b, device=dev)[:, None, None] * hkv + torch.arange(hkv, device=dev)[:, None]) * nk
-        rows = ((first + start).flatten()[:, None] + torch.arange(width, device=dev)).flatten()
+        first = torch.arange(b * hkv, device=start.device).view(b, hkv, 1) * nk  # each (row, head)'s position 0
+        index = (first + start).flatten()
         return tuple(
-            t.contiguous().view(-1, d).index_select(0, rows).view(b, hkv, -1, d).to(dtype) for t in (self.k, self.v)
+            _windows(t, index, width, dtype, slot).view(b, hkv, -1, d) for slot, t in enumerate((self.k, self.v))
         )
+
+
+def _windows(t: torch.Tensor, index: torch.Tensor, width: int, dtype: torch.dtype, slot: int) -> torch.Tensor:
+    """Rows index .. index + width - 1 of t viewed as [B * Hkv * Nk, D], for every entry of `index`, in `dtype`:
+    [len(index), width * D], in this thread's workspace `slot` (valid until the next call with that slot)."""
+    d = t.shape[-1]
+    if not t.is_contiguous():
+        positions = (index[:, None] + torch.arange(width, device=index.device)).flatten()
+        return t.reshape(-1, d).index_select(0, positions).view(-1, width * d).to(dtype)
+    flat = t.view(-1)  # overlapping windows as rows of one strided view: one gather, one index entry per window
+    rows = flat.as_strided((flat.numel() // d - width + 1, width * d), (d, 1))
+    shape = (index.numel(), width * d)
+    out = torch.index_select(rows, 0, index, out=_buffer(shape, t.dtype, t.device, 2 * slot))
+    return out if t.dtype == dtype else _buffer(shape, dtype, t.device, 2 * slot + 1).copy_(out)
+
+
+def _buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, slot: int) -> torch.Tensor:
+    """An uninitialized tensor of `shape`: on CPU up to _WORKSPACE_MAX_BYTES, a view of a buffer this thread keeps
+    for `slot` (so the next call with the slot overwrites it); a new tensor otherwise."""
+    n = 1
+    for size in shape:
+        n *= size
+    if device.type != "cpu" or n * dtype.itemsize > _WORKSPACE_MAX_BYTES:
+        return torch.empty(shape, dtype=dtype, device=device)
+    buffers = _workspace.__dict__.setdefault("buffers", {})
+    key = (slot, dtype)
+    buf = buffers.get(key)
+    if buf is None or buf.numel() < n:
+        grown = min(2 * (0 if buf is None else buf.numel()), _WORKSPACE_MAX_BYTES // dtype.itemsize)
+        buf = buffers[key] = torch.empty(max(n, grown), dtype=dtype)
+    return buf[:n].view(shape)
 
 
 def moba_decode_cache(
@@ -185,46 +248,151 @@ def moba_decode_cache(
 
 
 def _decode(q, cache, block_keys, block_size, top_k, scale, gate, starts, return_selection):
-    b, hq, nq, d = q.shape
-    hkv, nk = cache.shape[1], cache.shape[2]
-    scale = d**-0.5 if scale is None else scale
-    dev = q.device
+    b, nk = q.shape[0], cache.shape[2]
+    scale = q.shape[3] ** -0.5 if scale is None else scale
     if starts is None:
-        starts = torch.zeros(b, dtype=torch.long, device=dev)
-    starts = starts.to(device=dev, dtype=torch.long)
-    lengths = (nk - starts).tolist()
-    needed = -(-max(lengths) // block_size)
+        starts = torch.zeros(b, dtype=torch.long, device=q.device)
+        longest = nk
+    else:
+        starts = starts.to(device=q.device, dtype=torch.long)
+        longest = nk - int(starts.min())
+    needed = -(-longest // block_size)
     if block_keys.shape[2] < needed:
         raise ValueError(f"block_keys has {block_keys.shape[2]} blocks, the sequences need {needed}")
     selected = decode_selection(
-        q, block_keys[:, :, :needed], lengths, block_size=block_size, top_k=top_k, gate=gate
+        q, block_keys[:, :, :needed], nk - starts, block_size=block_size, top_k=top_k, gate=gate
     )  # [B, Hq, Nq, nb]
+    if isinstance(cache, DenseCache) and _reads_in_place(q, cache):
+        # no row selects more than its own block, the forced ones and top_k - 1 gated ones
+        slots = min(selected.shape[-1], top_k + gate.sink_blocks + gate.local_blocks)
+        out = _attend_in_place(q, cache.k, cache.v, selected, slots, starts, block_size, scale)
+    else:
+        out = _attend_windows(q, cache, selected, starts, block_size, scale)
+    return (out, selected) if return_selection else out
 
-    # per KV head, the union of the blocks its query heads selected: each is copied once and shared by the group
+
+def _reads_in_place(q: torch.Tensor, cache: DenseCache) -> bool:
+    """Whether `_attend_in_place` takes this step: CPU float32 / float64, a contiguous cache, no autograd (the
+    sparse products it uses have no bfloat16 kernels and no backward here); `_attend_windows` otherwise."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.float64)
+        and cache.k.is_contiguous()
+        and cache.v.is_contiguous()
+        and not needs_grad(q, cache.k, cache.v)
+    )
+
+
+def _block_windows(blocks: torch.Tensor, starts: torch.Tensor, block_size: int, nk: int):
+    """Each block is read as one window of W = min(block_size, Nk) contiguous cache positions; a partial last
+    block's window is shifted left to end at Nk, and the window's keys before its block are masked.
+    blocks: block indices [B, ...]; starts: [B] viewed to broadcast against them. Returns each window's first
+    cache position, the offset of its block's first key inside it (0 unless shifted), and W."""
+    width = min(block_size, nk)
+    block_start = blocks * block_size + starts  # cache position of each block's first key
+    win_start = block_start.clamp(max=nk - width)
+    return win_start, block_start - win_start, width
+
+
+def _attend_in_place(q, k, v, selected, slots, starts, block_size, scale):
+    """Every query row attends its own selected blocks, read where they lie in the cache: one sampled q.k product
+    at the selected key positions (a CSR pattern over the cache's rows) and one weighted sum of the value rows
+    (`embedding_bag`); nothing of the cache is copied. `slots`: at least the most blocks a row selected.
+    Returns [B, Hq, Nq, D].
+
+    The step is kept to few ops: after the cache has been swept by the rest of a model's layer, each op's fixed cost
+    grows several times, and the number of ops, not the bytes, then sets a short step's time."""
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    n = b * hq * nq
+    # each row's selected blocks first (in any order): [B, Hq, Nq, S]; slots past a row's count are masked
+    used, blk = selected.to(torch.int8).topk(slots, dim=-1, sorted=False)
+    win_start, first_valid, width = _block_windows(blk, starts.view(b, 1, 1, 1), block_size, nk)
+    head_row, offset, crow, zeros = _in_place_indices(b, hq, hkv, width, slots, n, q.dtype, q.device)
+    cols = ((head_row * nk + win_start)[..., None] + offset).view(n, -1)  # rows of k.view(-1, D)
+    masked = (used == 0)[..., None] | (offset < first_valid[..., None])  # [B, Hq, Nq, S, W]
+    if nq > 1:  # causal inside the newest block (a single query is the last key: it sees every key)
+        q_pos = nk - nq + torch.arange(nq, device=q.device)
+        masked |= win_start[..., None] + offset > q_pos[:, None, None]
+    masked = masked.view(n, -1)
+    keys, values = k.view(-1, d), v.view(-1, d)
+    pattern = _csr(crow, cols.view(-1), zeros, keys.shape[0])
+    scores = torch.sparse.sampled_addmm(pattern, q.reshape(n, d), keys.t(), beta=0.0).values().view(n, -1)
+    probs = scores.mul_(scale).masked_fill_(masked, float("-inf")).softmax(dim=-1)
+    out = F.embedding_bag(cols, values, per_sample_weights=probs, mode="sum")
+    if not all_finite(out):  # a NaN / inf value in a slot a row does not attend gave 0 * NaN: exactly, as the rule
+        valid = ~masked
+        out = masked_matmul(probs[:, None], valid[:, None], values[cols])[:, 0]
+    return out.view(b, hq, nq, d)
+
+
+_indices: dict[tuple, tuple[torch.Tensor, ...]] = {}
+
+
+def _in_place_indices(b, hq, hkv, width, slots, n, dtype, device):
+    """What `_attend_in_place` needs besides the selection, the same for every step of a generation: each query
+    row's (row, KV head) index [B, Hq, 1, 1], offsets 0 .. W - 1, the CSR row pointers and zero values."""
+    key = (b, hq, hkv, width, slots, n, dtype, device)
+    found = _indices.get(key)
+    if found is None:
+        if len(_indices) > 64:  # shapes of many generations: keep the table small
+            _indices.clear()
+        head_row = torch.arange(b, device=device)[:, None] * hkv + torch.arange(hq, device=device) // (hq // hkv)
+        row_len = slots * width
+        found = _indices[key] = (
+            head_row[:, :, None, None],
+            torch.arange(width, device=device),
+            torch.arange(0, n * row_len + 1, row_len, device=device),
+            torch.zeros(n * row_len, dtype=dtype, device=device),
+        )
+    return found
+
+
+_csr_lock = threading.Lock()
+_csr_quiet = False
+
+
+def _csr(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """A CSR sampling pattern of len(crow) - 1 rows (values: zeros, only read as `beta * values` with beta 0).
+    PyTorch warns once per process that CSR tensors are in beta: that one warning is taken here, at the first
+    call, instead of in the user's output."""
+    global _csr_quiet
+    if not _csr_quiet:
+        with _csr_lock, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.sparse_csr_tensor(crow[:1].repeat(2), col[:0], values[:0], size=(1, 1))
+            _csr_quiet = True
+    return torch.sparse_csr_tensor(crow, col, values, size=(crow.numel() - 1, n_cols), check_invariants=False)
+
+
+def _attend_windows(q, cache, selected, starts, block_size, scale):
+    """Attention over windows copied from any `CacheWindows` (a paged cache, bfloat16, CUDA, autograd): per KV
+    head, the union of the blocks its query heads selected is copied once and shared by the group, then one
+    masked attention over it. Returns [B, Hq, Nq, D]."""
+    b, hq, nq, d = q.shape
+    hkv, nk = cache.shape[1], cache.shape[2]
     g = hq // hkv
-    by_head = selected.view(b, hkv, g * nq, -1)  # [B, Hkv, g*Nq, nb], rows ordered (query head, query)
+    dev = q.device
+    by_head = selected.reshape(b, hkv, g * nq, -1)  # [B, Hkv, g*Nq, nb], rows ordered (query head, query)
     union = by_head.any(dim=2)  # [B, Hkv, nb]
     n_union = int(union.sum(-1).max())
-    in_union, blk = union.to(torch.int8).topk(n_union, dim=-1)  # [B, Hkv, U]; pad entries have in_union 0
-    # each block is read as one window of W contiguous cache keys (only those rows are copied);
-    # a partial last block's window is shifted left to end at Nk and the keys outside the block are masked
-    width = min(block_size, nk)
-    block_start = blk * block_size + starts[:, None, None]  # cache position of each block's first key
-    win_start = block_start.clamp(max=nk - width)
+    in_union, blk = union.to(torch.int8).topk(n_union, dim=-1, sorted=False)  # [B, Hkv, U]; pads: in_union 0
+    win_start, first_valid, width = _block_windows(blk, starts.view(b, 1, 1), block_size, nk)
     dtype = gate_dtype(q.dtype)
     k_sel, v_sel = cache.windows(win_start, width, dtype)  # [B, Hkv, U*W, D]
 
-    key_pos = (win_start[..., None] + torch.arange(width, device=dev)).flatten(-2)[:, :, None]  # [B, Hkv, 1, U*W]
-    q_pos = (nk - nq + torch.arange(nq, device=dev)).repeat(g)[None, None, :, None]  # [1, 1, g*Nq, 1]
+    offset = torch.arange(width, device=dev)
     wanted = by_head.gather(-1, blk[:, :, None].expand(-1, -1, g * nq, -1)) & in_union.bool()[:, :, None]
-    block_start = block_start.repeat_interleave(width, dim=-1)[:, :, None]
-    valid = wanted.repeat_interleave(width, dim=-1) & (key_pos >= block_start)  # [B, Hkv, g*Nq, U*W]
-    valid &= (key_pos < block_start + block_size) & (key_pos <= q_pos)
+    valid = wanted[..., None] & (offset >= first_valid[..., None])[:, :, None]  # [B, Hkv, g*Nq, U, W]
+    if nq > 1:  # causal inside the newest block (a single query is the last key: it sees every key)
+        key_pos = win_start[..., None] + offset  # [B, Hkv, U, W]
+        q_pos = (nk - nq + torch.arange(nq, device=dev)).repeat(g)  # [g*Nq]
+        valid &= key_pos[:, :, None] <= q_pos[:, None, None]
+    valid = valid.flatten(-2)  # [B, Hkv, g*Nq, U*W]
 
-    scores = (q.reshape(b, hkv, g * nq, d).to(dtype) @ k_sel.transpose(-1, -2)) * scale
-    probs = scores.masked_fill(~valid, float("-inf")).softmax(dim=-1)
-    out = masked_matmul(probs, valid, v_sel).view(b, hq, nq, d).to(q.dtype)  # NaN values reach only their rows
-    return (out, selected) if return_selection else out
+    scores = q.reshape(b, hkv, g * nq, d).to(dtype) @ k_sel.transpose(-1, -2)
+    probs = scores.mul_(scale).masked_fill_(~valid, float("-inf")).softmax(dim=-1)
+    return masked_matmul(probs, valid, v_sel).view(b, hq, nq, d).to(q.dtype)  # NaN values reach only their rows
 
 
 def block_keys_from_cache(
@@ -242,68 +410,3 @@ def block_keys_from_cache(
         pooled = pooled_keys(k[r : r + 1, :, int(starts[r]) :], block_size, pooling)
         out[r : r + 1, :, : pooled.shape[2]] = pooled
     return out
-
-
-# --- when sparse decode pays ------------------------------------------------------------------------------------
-CROSSOVER_ENV = "MOBA_HF_DECODE_CROSSOVER"  # blocks; 0 = always sparse (what tests of the sparse path use)
-_MAX_CALIBRATION_KEYS = 1 << 16
-_crossovers: dict[tuple, int] = {}
-
-
-def decode_crossover(q: torch.Tensor, k: torch.Tensor, *, block_size: int, top_k: int, gate: GateOptions) -> int:
-    """The fewest cache blocks from which a sparse decode step (`moba_decode`: gate + selected blocks) is faster
-    than dense attention over the whole cache, for q's device and dtype, these head counts and this gate.
-
-    Below it a decode step costs less as dense attention, which attends a superset of MoBA's blocks. Measured once
-    per setting on random inputs (one query per row, doubling cache lengths up to 64K keys; best of five, the two
-    alternated) and kept for the process; if sparse never wins in that range, twice the longest length tried.
-    `MOBA_HF_DECODE_CROSSOVER=<blocks>` fixes it instead (0: always sparse).
-    """
-    fixed = os.environ.get(CROSSOVER_ENV)
-    if fixed is not None:
-        if not fixed.strip().isdigit():
-            raise ValueError(f"{CROSSOVER_ENV} must be a whole number of blocks >= 0, got {fixed!r}")
-        return int(fixed)
-    hq, hkv, d = q.shape[1], k.shape[1], q.shape[3]
-    key = (q.device, q.dtype, hq, hkv, d, block_size, top_k, gate, torch.get_num_threads())
-    if key not in _crossovers:
-        _crossovers[key] = _measure_crossover(q, hkv, block_size, top_k, gate)
-    return _crossovers[key]
-
-
-def _seconds(fn, device: torch.device) -> float:
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
-
-
-def step_times(q: torch.Tensor, hkv: int, n: int, *, block_size: int, top_k: int, gate: GateOptions) -> tuple:
-    """Best of five (sparse, dense) seconds of one decode step over `n` random cached keys, alternated."""
-    from .common import causal_attention  # the dense step transformers' "sdpa" runs
-
-    gen = torch.Generator(device=q.device).manual_seed(0)
-    hq, d = q.shape[1], q.shape[3]
-    query = torch.randn(1, hq, 1, d, generator=gen, device=q.device).to(q.dtype)
-    keys, values = (torch.randn(1, hkv, n, d, generator=gen, device=q.device).to(q.dtype) for _ in range(2))
-    pooled = pooled_keys(keys, block_size, gate.pooling)
-    steps = (
-        lambda: moba_decode(query, keys, values, pooled, block_size=block_size, top_k=top_k, **gate.as_kwargs()),
-        lambda: causal_attention(query, keys, values),
-    )
-    for step in steps:
-        step()  # warm up
-    times = [[_seconds(step, q.device) for step in steps] for _ in range(5)]
-    return min(t for t, _ in times), min(t for _, t in times)
-
-
-def _measure_crossover(q: torch.Tensor, hkv: int, block_size: int, top_k: int, gate: GateOptions) -> int:
-    blocks = top_k + gate.sink_blocks + gate.local_blocks + 1  # fewer: every block is attended anyway
-    while True:
-        t_sparse, t_dense = step_times(q, hkv, blocks * block_size, block_size=block_size, top_k=top_k, gate=gate)
-        if t_sparse <= t_dense:
-            return blocks
-        if 2 * blocks * block_size > _MAX_CALIBRATION_KEYS:
-            return 2 * blocks
-        blocks *= 2

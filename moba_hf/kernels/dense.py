@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from .common import masked_matmul
+from .common import masked_matmul, scale_underflows
 
 # private but long-standing ops (torch >= 2.3); looked up softly so a missing one means the matmul path
 _FUSED_FWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -52,11 +52,12 @@ def attention_with_lse(
     """Dense attention returning its log-sum-exp: q [b, hq, n, d], k, v [b, hk, m, d] (GQA: hq a multiple of hk)
     -> (out [b, hq, n, d], lse [b, hq, n]). Forward only; pieces merge through lse (MoBA pieces, DCA parts).
 
-    offset None: no mask; otherwise causal with query i at key position i + offset.
+    offset None: no mask; otherwise causal with query i at key position i + offset (the fused op's causal flag
+    multiplies its -inf mask by the scale: a scale that rounds to 0 takes the explicit mask).
     """
     n, m = q.shape[2], k.shape[2]
     if fused_available(q):
-        if offset is None or (offset == 0 and n == m):
+        if offset is None or (offset == 0 and n == m and not scale_underflows(scale, q.dtype)):
             return _FUSED_FWD(q, k, v, 0.0, offset is not None, scale=scale)
         return _FUSED_FWD(q, k, v, 0.0, False, attn_mask=_offset_mask(n, m, offset, q), scale=scale)
     b, hq, _, d = q.shape
@@ -85,7 +86,7 @@ def attention_with_lse_backward(
     `attention_with_lse`): the piece's share of a softmax merged over several pieces."""
     n, m = q.shape[2], k.shape[2]
     if fused_available(q):
-        if offset is None or (offset == 0 and n == m):
+        if offset is None or (offset == 0 and n == m and not scale_underflows(scale, q.dtype)):
             return _FUSED_BWD(do, q, k, v, o, lse, 0.0, offset is not None, scale=scale)
         return _FUSED_BWD(do, q, k, v, o, lse, 0.0, False, attn_mask=_offset_mask(n, m, offset, q), scale=scale)
     b, hq, _, d = q.shape

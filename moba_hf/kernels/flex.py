@@ -7,19 +7,24 @@ Sparsity at two levels::
 
 FlexAttention computes only the visited tiles, so the saving depends on how much the queries of one q tile agree
 on their blocks (neighbouring queries of a real model often do; independent random queries do not).
-On CUDA the kernel is compiled Triton; on CPU it runs under `torch.compile` (C++ codegen, slow to compile).
+On CUDA the kernel is compiled Triton; on CPU it runs under `torch.compile` (C++ codegen, slow to compile: one
+static compile per shape, float32 / float16 / bfloat16 only).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from .common import (
     DEFAULT_GATE,
+    FLEX_CPU_DTYPES,
     GateOptions,
     all_finite,
     check_moba_args,
     effective_block_size,
+    flex_takes,
     has_nonfinite,
     needs_grad,
     num_blocks,
@@ -35,15 +40,27 @@ except ImportError as err:  # torch < 2.5
 
 _Q_TILE = 128
 _GATE_ELEMENTS = 1 << 26  # selection (rows x blocks) held at once
-_compiled = None
+_compiled: dict[str, Callable] = {}
 
 
-def _flex():
-    """flex_attention, compiled once (eager flex is a slow debugging path and materializes scores)."""
-    global _compiled
-    if _compiled is None:
-        _compiled = torch.compile(flex_attention)
-    return _compiled
+def _flex_static(q, k, v, *, block_mask, scale, enable_gqa):
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+
+
+def _flex(device_type: str):
+    """flex_attention compiled for a device type (eager flex is a slow debugging path and materializes scores).
+
+    CPU: static shapes, a compile per signature (shapes, block mask layout, the mask's block size and offset).
+    Inductor's CPU FlexAttention with the dynamic shapes torch switches to on the second shape returns wrong
+    values or fails to compile (torch 2.13, 20 seeded configurations in one process: 3 off by 1.9-3.4, 13
+    `CppCompileError`). The wrapper `_flex_static` has its own compile cache, so CPU signatures do not use up
+    the GPU's. Past torch's recompile limit (`torch._dynamo.config.recompile_limit`, 8) torch runs it eagerly:
+    the same result over materialized scores.
+    """
+    if device_type not in _compiled:
+        compiled = torch.compile(_flex_static, dynamic=False) if device_type == "cpu" else torch.compile(flex_attention)
+        _compiled[device_type] = compiled
+    return _compiled[device_type]
 
 
 def _kv_tile(block_size: int) -> int:
@@ -134,6 +151,11 @@ def moba_attention_flex(
     """
     gate = GateOptions(pooling, sink_blocks, local_blocks)
     check_moba_args(q, k, v, block_size=block_size, top_k=top_k)
+    if not flex_takes(q):  # the registry sends such calls to another backend
+        raise ValueError(
+            f"backend 'flex' takes CPU tensors in {', '.join(map(str, FLEX_CPU_DTYPES))} only, got {q.dtype}: "
+            "use backend 'torch' (or 'auto')"
+        )
     block_size = effective_block_size(block_size, k.shape[2])  # bounded by the sequence
     moba = dict(block_size=block_size, top_k=top_k, gate=gate)
     if has_nonfinite(q, v):
@@ -146,5 +168,5 @@ def moba_attention_flex(
         )
     with torch.no_grad():
         mask = moba_block_mask(q, k, **moba)
-    out = _flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    out = _flex(q.device.type)(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out.to(q.dtype)

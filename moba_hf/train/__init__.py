@@ -1,26 +1,35 @@
 """Continued training with MoBA: config, packed data, attention schedules, the Trainer and `moba-hf train`."""
 
-from .config import TrainConfig
-from .data import Document, PackedDataset, collate, pack, read_documents
-from .schedule import AttentionSchedule
-from .synthetic import retrieval_document, retrieval_mixture
-from .trainer import TrainResult, build_dataset, build_trainer, last_checkpoint, load_model, prepare_model, train
+# Names are imported on first use, so that `moba-hf train --help` does not load torch, transformers and peft.
+from __future__ import annotations
 
-__all__ = [
-    "AttentionSchedule",
-    "Document",
-    "PackedDataset",
-    "TrainConfig",
-    "TrainResult",
-    "build_dataset",
-    "build_trainer",
-    "collate",
-    "last_checkpoint",
-    "load_model",
-    "pack",
-    "prepare_model",
-    "read_documents",
-    "retrieval_document",
-    "retrieval_mixture",
-    "train",
-]
+import importlib
+from typing import Any
+
+_WHERE = {
+    "AttentionSchedule": "schedule",
+    "Document": "data",
+    "PackedDataset": "data",
+    "RunRefused": "resume",
+    "TrainConfig": "config",
+    "TrainResult": "trainer",
+    "build_dataset": "trainer",
+    "build_trainer": "trainer",
+    "collate": "data",
+    "last_checkpoint": "trainer",
+    "load_model": "trainer",
+    "pack": "data",
+    "prepare_model": "trainer",
+    "read_documents": "data",
+    "retrieval_document": "synthetic",
+    "retrieval_mixture": "synthetic",
+    "train": "trainer",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)

@@ -27,7 +27,14 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument(
         "--resume",
         action="store_true",
-        help="continue from the newest checkpoint in the output dir (written every [train] save_steps)",
+        help="continue from the newest whole checkpoint in the output dir (written every [train] save_steps); "
+        "a config that differs from the checkpoint's run is refused, naming each key",
+    )
+    p.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="with --resume: continue although the config (or data) differs from the checkpoint's run, or the "
+        "checkpoint lacks optimizer state; each change is logged and recorded in run_config.json",
     )
     p.set_defaults(func=run)
 
@@ -59,19 +66,28 @@ def load_config(path: str, overrides: list[str] = (), direct: dict[tuple[str, st
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..cli_common import UsageError
+    from .resume import RunRefused
     from .trainer import last_checkpoint, train
 
-    config = load_config(
-        args.config,
-        args.set,
-        {
-            ("model", "name"): args.model,
-            ("train", "output_dir"): args.output_dir,
-            ("train", "max_steps"): args.max_steps,
-        },
-    )
+    if args.allow_config_change and not args.resume:
+        raise UsageError("--allow-config-change applies to a resume: add --resume")
     try:
-        result = train(config, resume=args.resume)
+        config = load_config(
+            args.config,
+            args.set,
+            {
+                ("model", "name"): args.model,
+                ("train", "output_dir"): args.output_dir,
+                ("train", "max_steps"): args.max_steps,
+            },
+        )
+    except ValueError as err:
+        raise UsageError(str(err)) from None  # names the key (from the file or --set) or the file
+    try:
+        result = train(config, resume=args.resume, allow_config_change=args.allow_config_change)
+    except RunRefused as err:
+        raise UsageError(str(err)) from None
     except KeyboardInterrupt:
         checkpoint = last_checkpoint(config.train.output_dir)
         where = f"the last checkpoint is {checkpoint}; continue with --resume" if checkpoint else "no checkpoint saved"

@@ -14,7 +14,10 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import math
+import types
+import typing
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -98,27 +101,14 @@ class TrainConfig:
     lora: LoraSection = LoraSection()
 
     def __post_init__(self) -> None:
-        m, s, d, t, lo = self.model, self.schedule, self.data, self.train, self.lora
-        _check(m.dtype in DTYPES, "model.dtype", m.dtype, f"one of {DTYPES}")
-        _check(0.0 <= s.moba_fraction <= 1.0, "schedule.moba_fraction", s.moba_fraction, "[0, 1]")
-        _check(d.seq_len >= 2, "data.seq_len", d.seq_len, ">= 2")
-        _check(d.num_documents >= 1, "data.num_documents", d.num_documents, ">= 1")
-        _check(1 <= d.min_length <= d.max_length, "data.min_length", d.min_length, f"[1, max_length={d.max_length}]")
-        _check(d.loss_on in ("answer", "all"), "data.loss_on", d.loss_on, "'answer' or 'all'")
-        _check(t.max_steps >= 1, "train.max_steps", t.max_steps, ">= 1")
-        _check(t.batch_size >= 1, "train.batch_size", t.batch_size, ">= 1")
-        _check(
-            t.gradient_accumulation_steps >= 1,
-            "train.gradient_accumulation_steps",
-            t.gradient_accumulation_steps,
-            ">= 1",
-        )
-        _check(t.learning_rate > 0, "train.learning_rate", t.learning_rate, "> 0")
-        _check(t.precision in PRECISIONS, "train.precision", t.precision, f"one of {PRECISIONS}")
-        _check(t.save_steps >= 0, "train.save_steps", t.save_steps, ">= 0")
-        _check(t.save_total_limit >= 0, "train.save_total_limit", t.save_total_limit, ">= 0")
-        _check(t.sparsity_every >= 0, "train.sparsity_every", t.sparsity_every, ">= 0")
-        _check(lo.r >= 1, "lora.r", lo.r, ">= 1")
+        for f in dataclasses.fields(self):
+            if f.name != "moba":
+                _check_types(f.name, getattr(self, f.name))
+        for name, (ok, valid) in _RULES.items():
+            section, key = name.split(".")
+            value = getattr(getattr(self, section), key)
+            if value is not None and not ok(value, getattr(self, section)):
+                raise ValueError(f"{name} must be {valid}, got {value!r}")
 
     @property
     def switch_step(self) -> int | None:
@@ -162,6 +152,71 @@ class TrainConfig:
         return out
 
 
-def _check(ok: bool, name: str, value: Any, valid: str) -> None:
-    if not ok:
-        raise ValueError(f"{name} must be {valid}, got {value!r}")
+# key -> (test of a value of the declared type, given its section; what is accepted, for the error)
+_RULES: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
+    "model.dtype": (lambda v, _: v in DTYPES, f"one of {DTYPES}"),
+    "schedule.moba_fraction": (lambda v, _: 0.0 <= v <= 1.0, "a number in [0, 1]"),
+    "data.seq_len": (lambda v, _: v >= 2, "an integer >= 2"),
+    "data.max_documents": (lambda v, _: v >= 1, "an integer >= 1 or none"),
+    "data.num_documents": (lambda v, _: v >= 1, "an integer >= 1"),
+    "data.min_length": (lambda v, d: 1 <= v <= d.max_length, "an integer in [1, data.max_length]"),
+    "data.max_length": (lambda v, _: v >= 1, "an integer >= 1"),
+    "data.loss_on": (lambda v, _: v in ("answer", "all"), "'answer' or 'all'"),
+    "train.max_steps": (lambda v, _: v >= 1, "an integer >= 1"),
+    "train.batch_size": (lambda v, _: v >= 1, "an integer >= 1"),
+    "train.gradient_accumulation_steps": (lambda v, _: v >= 1, "an integer >= 1"),
+    "train.learning_rate": (lambda v, _: v > 0, "a finite number > 0"),
+    "train.weight_decay": (lambda v, _: v >= 0, "a finite number >= 0"),
+    "train.warmup_steps": (lambda v, _: v >= 0, "an integer >= 0"),
+    "train.max_grad_norm": (lambda v, _: v >= 0, "a finite number >= 0 (0: no clipping)"),
+    "train.precision": (lambda v, _: v in PRECISIONS, f"one of {PRECISIONS}"),
+    "train.logging_steps": (lambda v, _: v >= 1, "an integer >= 1"),
+    "train.save_steps": (lambda v, _: v >= 0, "an integer >= 0"),
+    "train.save_total_limit": (lambda v, _: v >= 0, "an integer >= 0"),
+    "train.sparsity_every": (lambda v, _: v >= 0, "an integer >= 0"),
+    "train.dataloader_num_workers": (lambda v, _: v >= 0, "an integer >= 0"),
+    "lora.r": (lambda v, _: v >= 1, "an integer >= 1"),
+    "lora.alpha": (lambda v, _: v > 0, "an integer > 0"),
+    "lora.dropout": (lambda v, _: 0.0 <= v < 1.0, "a number in [0, 1)"),
+}
+_KINDS = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}
+
+
+def _check_types(section: str, values: Any) -> None:
+    """Each key of a section holds its declared type: a bool is no integer, a string no number, a number is
+    finite. A quoted number is refused, not read: TOML, JSON and `--set` all write numbers bare."""
+    hints = typing.get_type_hints(type(values))
+    for f in dataclasses.fields(values):
+        name, value, hint = f"{section}.{f.name}", getattr(values, f.name), hints[f.name]
+        options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        if value is None and type(None) in options:
+            continue
+        kind = next(o for o in options if o is not type(None))
+        if typing.get_origin(kind) is tuple:
+            if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)):
+                raise ValueError(f"{name} must be a list of strings, got {value!r}")
+            bad = [v for v in value if not isinstance(v, str)]
+            if bad:
+                raise ValueError(f"{name} must be a list of strings, got {bad[0]!r} in {list(value)!r}")
+            continue
+        if kind is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        elif kind is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, kind)
+        if not ok:
+            note = ""
+            if isinstance(value, str) and kind in (int, float) and _is_number(value):
+                note = " (a quoted number is a string: write it without quotes"
+                note += "; YAML reads 1e-4 as a string, 1.0e-4 as a number)" if kind is float else ")"
+            valid = _RULES[name][1] if name in _RULES else _KINDS[kind] + (" or none" if type(None) in options else "")
+            raise ValueError(f"{name} must be {valid}, got {value!r}{note}")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True

@@ -42,13 +42,10 @@ def read_texts(source: str, *, text_field: str = "text", split: str = "train", l
     """Documents from a .txt file (blank-line separated), a .jsonl file (`text_field`), or a `datasets` name."""
     path = Path(source)
     if path.suffix == ".txt" and path.is_file():
-        texts = [t.strip() for t in path.read_text().split("\n\n") if t.strip()]
+        texts = [t.strip() for t in _read_text(path).split("\n\n") if t.strip()]
     elif path.suffix == ".jsonl" and path.is_file():
         texts = []
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            record = json.loads(line)
+        for n, record in read_jsonl(path):
             if text_field not in record:
                 raise ValueError(f"{path}:{n}: record has no text_field={text_field!r}; keys: {sorted(record)}")
             texts.append(str(record[text_field]))
@@ -67,19 +64,81 @@ def read_texts(source: str, *, text_field: str = "text", split: str = "train", l
 
 
 def read_documents(
-    source: str, tokenizer: Any, *, text_field: str = "text", split: str = "train", limit: int | None = None
+    source: str,
+    tokenizer: Any,
+    *,
+    text_field: str = "text",
+    split: str = "train",
+    limit: int | None = None,
+    vocab_size: int | None = None,
 ) -> list[Document]:
     """Documents from `source` (see `read_texts`); JSONL records may instead carry ready `input_ids`
-    (lists of token ids, e.g. for a model without a tokenizer)."""
+    (lists of token ids, e.g. for a model without a tokenizer), checked here: integers in [0, vocab_size)
+    (`labels` may also hold IGNORE); an error names the file, the line, the value and that range."""
     path = Path(source)
     if path.suffix == ".jsonl" and path.is_file():
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        if records and all("input_ids" in r for r in records):
-            docs = [Document(list(r["input_ids"]), list(r.get("labels", r["input_ids"]))) for r in records]
+        records = read_jsonl(path)
+        with_ids = [n for n, r in records if "input_ids" in r]
+        if with_ids and len(with_ids) < len(records):
+            n = next(n for n, r in records if "input_ids" not in r)
+            raise ValueError(
+                f"{path}:{n}: record has no input_ids, while line {with_ids[0]} has: give every record "
+                f"input_ids (token ids) or every record {text_field!r} (text)"
+            )
+        if with_ids:
+            docs = [_token_document(path, n, r, vocab_size) for n, r in records]
             return docs[:limit] if limit is not None else docs
     if tokenizer is None:
         raise ValueError(f"data source {source!r} holds text, so the model needs a tokenizer")
     return tokenize_texts(tokenizer, read_texts(source, text_field=text_field, split=split, limit=limit))
+
+
+def read_jsonl(path: Path) -> list[tuple[int, dict]]:
+    """(line number, record) for each non-blank line; a line that is no JSON object is refused by its number."""
+    records = []
+    for n, line in enumerate(_read_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{n}: not valid JSON ({err.msg} at column {err.colno}): {line[:80]!r}") from None
+        except RecursionError:
+            raise ValueError(f"{path}:{n}: JSON nested too deeply to read") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{n}: a record must be a JSON object, got {type(record).__name__}")
+        records.append((n, record))
+    return records
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason})") from None
+
+
+def _token_document(path: Path, line: int, record: dict, vocab_size: int | None) -> Document:
+    ids = _token_ids(path, line, record, "input_ids", vocab_size)
+    labels = _token_ids(path, line, record, "labels", vocab_size, ignore=True) if "labels" in record else ids
+    if len(labels) != len(ids):
+        raise ValueError(f"{path}:{line}: {len(ids)} input_ids but {len(labels)} labels; give one label per token")
+    return Document(ids, list(labels))
+
+
+def _token_ids(
+    path: Path, line: int, record: dict, key: str, vocab_size: int | None, *, ignore: bool = False
+) -> list[int]:
+    ids = record[key]
+    valid = f"integers in [0, {vocab_size})" if vocab_size is not None else "integers >= 0"
+    valid += f" or {IGNORE} (no loss)" if ignore else ""
+    if not isinstance(ids, list):
+        raise ValueError(f"{path}:{line}: {key} must be a list of token ids ({valid}), got {ids!r:.80}")
+    for i, t in enumerate(ids):
+        in_range = not isinstance(t, bool) and isinstance(t, int) and (0 <= t or (ignore and t == IGNORE))
+        if not in_range or (vocab_size is not None and t >= vocab_size):
+            raise ValueError(f"{path}:{line}: {key}[{i}] = {t!r} is no token id of this model; valid: {valid}")
+    return ids
 
 
 def tokenize_texts(tokenizer: Any, texts: Iterable[str]) -> list[Document]:

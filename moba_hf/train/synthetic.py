@@ -7,8 +7,9 @@ answer; by default only the answer is trained on, so every unit of loss needs lo
     What is the pass key? The pass key is| 48213.|     <- loss only here (loss_on="answer")
 
 The mixture varies the filler and the key wording; template 0 with filler 0 is exactly the prompt of
-`moba_hf.eval.passkey`, so a passkey eval after training is in-distribution for the format (report it so),
-while the keys, depths and lengths are drawn from a different random stream than the eval's.
+`moba_hf.eval.passkey` (both from `moba_hf.prompts`), so a passkey eval after training is in-distribution for
+the format (report it so), while the keys, depths and lengths are drawn from a different random stream than the
+eval's.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from ..eval.passkey import FILLER, INTRO, QUESTION, random_passkey
+from ..prompts import FILLER, INTRO, QUESTION, random_passkey
 from .data import IGNORE, Document
 
 FILLERS = (

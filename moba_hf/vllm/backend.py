@@ -8,8 +8,7 @@ dense computation are vLLM's own; what changes is the attention of the tokens Mo
     decode tokens (one new token): decode = "full"  ->  vLLM's CPU kernel on the decode rows only
                                    decode = "moba"  ->  the gate over pooled keys kept beside the pages
                                                        (`paged.PagedGateKeys`), then only the selected
-                                                       blocks; below the measured decode crossover
-                                                       (`kernels.decode.decode_crossover`) vLLM's kernel
+                                                       blocks, at every step whatever the sequence length
 
 With Dual Chunk Attention every layer and token runs per sequence (`paged.moba_paged` with `PagedDca`):
 `do_kv_cache_update` moves the new keys to ``p mod s`` before vLLM's cache write, and `forward` moves the
@@ -49,7 +48,7 @@ class MobaAttentionMetadata(CPUAttentionMetadata):
     # host copies, read once per step by every layer
     query_start_list: list[int] = dataclasses.field(default_factory=list)
     seq_len_list: list[int] = dataclasses.field(default_factory=list)
-    # decode steps that run dense on vLLM's kernel (decode = "full", or below the decode crossover)
+    # decode steps that run dense on vLLM's kernel (decode = "full")
     dense_decodes: frozenset[int] = frozenset()  # their sequence indices
     all_dense_decodes: bool = False  # the whole batch is such steps: vLLM's kernel runs it as it is
     # in a batch that mixes them with other tokens: those rows alone, for vLLM's kernel
@@ -117,11 +116,8 @@ class MobaAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         setup = _setup(vllm_config)
         self.moba = setup.config if setup is not None else None
         self.dca = setup.dca if setup is not None else None
-        self.sparse_decode_from = 0  # blocks in a sequence from which a decode = "moba" step runs sparse
         if self.moba is not None:
             check_cache_layout(self.isa, self.dtype, self.block_size, self.head_dim)
-            if self.moba.decode == "moba" and self.moba.sparse and self.dca is None:
-                self.sparse_decode_from = _decode_crossover(vllm_config, self.moba, self.dtype, self.head_dim)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -139,7 +135,7 @@ class MobaAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             delta = self.dca.deltas(starts, lens)
             meta.dca_delta = delta if bool(delta.any()) else None
             return meta
-        decodes = dense_decodes(query_lens, lens, self.moba, self.sparse_decode_from)
+        decodes = dense_decodes(query_lens, self.moba)
         meta.dense_decodes = frozenset(decodes)
         meta.all_dense_decodes = len(decodes) == common.num_reqs
         if decodes and len(decodes) < common.num_reqs:
@@ -313,17 +309,6 @@ class MobaAttentionImpl(CPUAttentionBackendImpl):
             dense=self._dense(layer), dca=self.dca,
         )  # fmt: skip
         return output
-
-
-def _decode_crossover(vllm_config: VllmConfig, config: MobaConfig, dtype: torch.dtype, head_dim: int) -> int:
-    """Blocks from which a sparse decode step beats a dense one on this machine (measured once per process and
-    setting, at startup; `MOBA_HF_DECODE_CROSSOVER` fixes it)."""
-    from ..kernels.decode import decode_crossover
-
-    model, parallel = vllm_config.model_config, vllm_config.parallel_config
-    q = torch.empty(1, model.get_num_attention_heads(parallel), 1, head_dim, dtype=dtype)
-    k = torch.empty(1, model.get_num_kv_heads(parallel), 1, head_dim, dtype=dtype)
-    return decode_crossover(q, k, block_size=config.block_size, top_k=config.top_k, gate=config.gate)
 
 
 def _dca_delta(layer: Any) -> torch.Tensor | None:

@@ -133,15 +133,12 @@ def is_decode(query_len: int) -> bool:
     return query_len == 1
 
 
-def dense_decodes(
-    query_lens: Sequence[int], seq_lens: Sequence[int], config: MobaConfig, sparse_from: int
-) -> list[int]:
-    """Sequences whose decode step runs dense: every one with decode = "full", else those with fewer than
-    `sparse_from` MoBA blocks (the measured decode crossover)."""
-    return [
-        i for i, (nq, n) in enumerate(zip(query_lens, seq_lens, strict=True))
-        if is_decode(nq) and (config.decode == "full" or -(-n // config.block_size) < sparse_from)
-    ]  # fmt: skip
+def dense_decodes(query_lens: Sequence[int], config: MobaConfig) -> list[int]:
+    """Sequences whose decode step runs dense: every one with decode = "full", none with decode = "moba" (which
+    attends MoBA's blocks at every step, whatever the sequence length)."""
+    if config.decode != "full":
+        return []
+    return [i for i, nq in enumerate(query_lens) if is_decode(nq)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,7 @@ from typing import Any
 from ..config import MobaConfig, read_config_file
 from ..integration import dca as dca_hf
 from ..integration.support import check_supported, rope_type
+from ..options import KV_CACHE_DTYPES, kv_cache_dtype
 from .paged import PagedDca
 
 logger = logging.getLogger("moba_hf")
@@ -28,8 +29,8 @@ ENV = "MOBA_HF_CONFIG"
 # vLLM model classes the plugin runs: their attention layers hand the backend post-RoPE q / k of plain causal
 # self-attention (the end-to-end tests run LlamaForCausalLM)
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-# KV cache dtypes whose pages the MoBA kernels read as they are ("auto" = the model's dtype)
-READABLE_CACHE_DTYPES = {"auto": None, "float16": "float16", "bfloat16": "bfloat16", "float32": "float32"}
+# KV cache dtypes whose pages the MoBA kernels read as they are: the model's dtype ("auto" = the model's dtype)
+READABLE_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
 # DCA moves keys vLLM rotated with transformers' frequencies of the same rope type: the types where both
 # libraries compute the same frequencies (vLLM folds YaRN's factor into its cos / sin cache, its own way)
 DCA_ROPE_TYPES = ("default", "llama3")
@@ -101,18 +102,26 @@ def check(vllm_config: Any, config: MobaConfig, serving: dict[str, Any], where: 
         )
     cache_dtype = vllm_config.cache_config.cache_dtype
     model_dtype = str(model_config.dtype).removeprefix("torch.")
-    readable = READABLE_CACHE_DTYPES.get(cache_dtype, "unreadable")
-    if readable not in (None, model_dtype):
+    cache_runs = model_dtype if cache_dtype == "auto" else KV_CACHE_DTYPES.get(cache_dtype, cache_dtype)
+    if cache_dtype not in READABLE_CACHE_DTYPES or cache_runs != model_dtype:
         raise MobaSetupError(
             f"moba_hf: kv_cache_dtype={cache_dtype!r} is not readable by the MoBA kernels with a {model_dtype} "
             "model; use --kv-cache-dtype auto (the model's dtype)"
         )
-    wanted = serving.get("kv_cache_dtype")
-    if wanted is not None and wanted not in (cache_dtype, model_dtype):
-        raise MobaSetupError(
-            f"moba_hf: {where} asks for kv_cache_dtype={wanted!r} but vLLM runs {cache_dtype!r} "
-            f"({model_dtype} model); start vLLM with --kv-cache-dtype {wanted} or drop the setting"
-        )
+    if serving.get("kv_cache_dtype") is not None:
+        try:  # the file's spelling (fp16, half, bf16 ...) as vLLM names it
+            wanted = kv_cache_dtype(serving["kv_cache_dtype"])
+        except ValueError as err:
+            raise MobaSetupError(f"moba_hf: {where}: {err}") from None
+        if wanted not in ("auto", model_dtype):
+            spelled = serving["kv_cache_dtype"]
+            asked = repr(wanted) if spelled == wanted else f"{spelled!r} ({wanted})"
+            raise MobaSetupError(
+                f"moba_hf: {where} asks for kv_cache_dtype={asked} but vLLM's KV "
+                f"cache is {model_dtype} (--kv-cache-dtype {cache_dtype} with a {model_dtype} model), and the MoBA "
+                f"kernels read a cache in the model's dtype: start vLLM with --dtype {wanted} (the cache follows it "
+                "with --kv-cache-dtype auto, the default), or drop kv_cache_dtype from the file"
+            )
     limit = serving.get("max_context_tokens")
     if limit is not None and model_config.max_model_len > int(limit):
         raise MobaSetupError(

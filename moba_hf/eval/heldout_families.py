@@ -1,0 +1,476 @@
+"""More prompt families, each one that dense attention on the embedded SmolLM2-135M-Instruct answers (>= 80% at
+4K and 8K tokens), so that a sparse setting's loss shows; registered into `families.FAMILIES` with a `split`:
+"tuning" (a preset may be chosen on them; so are passkey, prose-needle and kv-retrieval) or "heldout" (only
+reported, never used to choose).
+
+    family             split    context                         needles                                answer
+    word-passkey       tuning   Landmark filler, repeated       "The magic word is heron. ... heron    a word or two
+                                                                is the magic word."
+    list-lookup        tuning   household inventory lines       "- NOTE: the alarm code is 583921.     5-7 digits
+                                (bullets, table rows)           The alarm code is 583921."
+    multi-needle-all   tuning   Landmark filler                 2-3 "Pass key one is 48213." at drawn  all the keys,
+                                                                depths                                 in order
+    code-needle        heldout  Python stdlib source lines      "SECRET_KEY = 583921  # SECRET_KEY     digits or a
+                                                                is 583921"                             hex string
+    serial-needle      heldout  generated story sentences       "The serial number of Mira's laptop    UUID-like hex
+                                                                is 7f3a-91c2. I repeat, ..."           groups, 8 digits
+    question-first     heldout  Python reference / docstring    one fact, the question before the      a word or digits
+                                prose                           context and again after
+    multi-needle-one   heldout  Landmark filler                 3 "The red pass key is 48213."; one    4-7 digits
+                                                                colour is asked
+    variable-tracking  heldout  Landmark filler                 "VAR QXK = 48213." then "VAR BRT =     the value
+                                                                VAR QXK." (2-3 hops)
+
+Length: every prompt is exactly `length` tokens, special tokens included (the context is cut at a token).
+Depth: the needle (the asked one; for multi-needle-all the first; for variable-tracking the value statement)
+sits at the context unit boundary (sentence, filler sentence or line) nearest depth x the context's tokens: 0 is
+right after the intro, 1 right before the question; the other needles sit at drawn depths (variable-tracking's
+later links after the value statement, in chain order).
+Seeds, scoring: as in families.py (random.Random(f"{family}:{seed}:{length}:{depth}:{trial}"); the
+continuation's first words must be every word of the answer). multi-needle-all also accepts "and" between the
+keys ("48213 and 90211"); a missing, extra-first or reordered key is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import random
+import re
+import string
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .. import prompts
+from .texts import code_lines, generated_rows, generated_text, prose_sentences
+
+TUNING, HELDOUT = "tuning", "heldout"
+SPLITS = (TUNING, HELDOUT)
+
+
+# the people of families.NAMES and its PROSE_INTROS (families.py imports this module, so it cannot import them)
+NAMES = (
+    "Mira Okafor", "Tomas Lindqvist", "Aiko Tanaka", "Rafael Moreno", "Ingrid Halvorsen", "Kwame Mensah",
+    "Lucia Ferraro", "Dmitri Volkov", "Priya Raman", "Owen Gallagher", "Sofia Marquez", "Henrik Bauer",
+)  # fmt: skip
+PROSE_INTROS = (
+    "Read the following text carefully. A question about it comes at the end.",
+    "Below is a long document. Remember the facts about people that it mentions.",
+    "Here is some reading material, followed by a question.",
+)
+ADJECTIVES = ("silver", "quiet", "amber", "crimson", "northern", "velvet", "hollow", "golden", "lucky", "pale")
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """The fields of families.Prompt."""
+
+    ids: list[int]  # the prompt's token ids, special tokens included
+    expected: str  # the answer
+    needle_token: int  # index in ids of the (asked) needle's first token
+
+
+def words(text: str) -> list[str]:
+    return re.sub(r"[^0-9a-z]+", " ", str(text).lower()).split()
+
+
+def score(expected: str, output: str) -> tuple[str | None, bool]:
+    """families.score's rule: (the continuation's first words, as many as the answer has; whether they are the
+    answer's words)."""
+    want = words(expected)
+    got = words(output)[: len(want)]
+    return " ".join(got) or None, bool(want) and got == want
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitFamily:
+    """families.Family's interface (build, new_tokens, exact, rng, prompt, score, min_length) with its split,
+    and a scorer of its own when `scorer` is given."""
+
+    name: str
+    build: Callable[[Any, int, float, random.Random], Prompt]
+    new_tokens: int  # greedy tokens to generate: the longest answer plus a leading space and a spare
+    exact: bool  # prompts are exactly `length` tokens
+    split: str = TUNING
+    scorer: Callable[[str, str], tuple[str | None, bool]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.split not in SPLITS:
+            raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {self.split!r}")
+
+    def rng(self, seed: int, length: int, depth: float, trial: int) -> random.Random:
+        return random.Random(f"{self.name}:{seed}:{length}:{depth}:{trial}")
+
+    def prompt(self, tokenizer: Any, seed: int, length: int, depth: float, trial: int) -> Prompt:
+        """The prompt of one grid cell: the same for every setting and every re-run."""
+        if not 0.0 <= depth <= 1.0:
+            raise ValueError(f"depth must be in [0, 1], got {depth}")
+        return self.build(tokenizer, length, depth, self.rng(seed, length, depth, trial))
+
+    def score(self, expected: str, output: str) -> tuple[str | None, bool]:
+        return (self.scorer or score)(expected, output)
+
+    def min_length(self, tokenizer: Any) -> int:
+        """As families.Family.min_length: the shortest length that 64 draws at depth 0.5 built, plus 16."""
+        n = 32
+        for trial in range(64):
+            while True:
+                try:
+                    self.build(tokenizer, n, 0.5, self.rng(0, 0, 0.5, trial))
+                    break
+                except ValueError:
+                    n += 8
+        return n + 16
+
+
+def _special(tokenizer: Any) -> list[int]:
+    return list(tokenizer("").input_ids)
+
+
+def _ids(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def _nearest(bounds: list[int], target: float) -> int:
+    return min(bounds, key=lambda b: (abs(b - target), b))
+
+
+def _too_short(name: str, length: int, fixed: int) -> ValueError:
+    return ValueError(f"length={length} leaves no room for the {name} context around its needles and question "
+                      f"({fixed} tokens)")  # fmt: skip
+
+
+# ---- context sources: token ids of units (sentences or lines), each with its leading space or newline ----
+
+_UNIT_IDS: dict[tuple[str, str, int], list[list[int]]] = {}
+
+
+def _units(tokenizer: Any, source: str) -> list[list[int]]:
+    key = (source, getattr(tokenizer, "name_or_path", ""), tokenizer.vocab_size)
+    if key not in _UNIT_IDS:
+        if source == "prose":  # families.py's prose-needle haystack
+            texts = [" " + " ".join(s.split()) for s in prose_sentences()]
+        elif source == "story":  # families.py's kv-retrieval haystack
+            story = re.split(r"(?<=[.!?])\s+", generated_text(40_000, seed=0))
+            texts = [" " + " ".join(s.split()) for s in story if s.strip()]
+        elif source == "landmark":
+            texts = [" " + s for s in re.split(r"(?<=\.)\s+", prompts.FILLER)]
+        elif source == "code":
+            texts = ["\n" + line for line in code_lines()]
+        elif source == "rows":
+            texts = ["\n" + row for row in generated_rows(3000)]
+        else:
+            raise ValueError(f"unknown context source {source!r}")
+        _UNIT_IDS[key] = [list(x) for x in tokenizer(texts, add_special_tokens=False).input_ids]
+    return _UNIT_IDS[key]
+
+
+def _context(tokenizer: Any, source: str, budget: int, rng: random.Random) -> tuple[list[int], list[int]]:
+    """`budget` tokens of whole units from a drawn start (the Landmark filler from its first sentence; the last
+    unit cut), and the unit boundaries."""
+    units = _units(tokenizer, source)
+    i = 0 if source == "landmark" else rng.randrange(len(units))
+    context, bounds = [], [0]
+    while len(context) < budget:
+        context += units[i % len(units)]
+        bounds.append(len(context))
+        i += 1
+    return context[:budget], [b for b in bounds if b < budget] + [budget]
+
+
+def _layout(
+    tokenizer: Any,
+    name: str,
+    length: int,
+    head: str,
+    needles: Sequence[str],
+    tail: str,
+    source: str,
+    places: Callable[[list[int], int], list[int]],
+    rng: random.Random,
+) -> tuple[list[int], list[int]]:
+    """[special tokens] head [context with the needles at places(bounds, budget)] tail, exactly `length` tokens;
+    (ids, each needle's first token index)."""
+    head_ids = _special(tokenizer) + _ids(tokenizer, head)
+    needle_ids = [_ids(tokenizer, n) for n in needles]
+    tail_ids = _ids(tokenizer, tail)
+    budget = length - len(head_ids) - sum(map(len, needle_ids)) - len(tail_ids)
+    if budget < 1:
+        raise _too_short(name, length, length - budget)
+    context, bounds = _context(tokenizer, source, budget, rng)
+    at = places(bounds, budget)
+    ids, start, starts = list(head_ids), 0, [0] * len(needles)
+    for where, i in sorted((where, i) for i, where in enumerate(at)):
+        ids += context[start:where]
+        starts[i] = len(ids)
+        ids += needle_ids[i]
+        start = where
+    ids += context[start:] + tail_ids
+    return ids, starts
+
+
+def _places(depth: float, n: int, rng: random.Random) -> Callable[[list[int], int], list[int]]:
+    draws = [rng.random() for _ in range(n - 1)]
+
+    def places(bounds: list[int], budget: int) -> list[int]:
+        return [_nearest(bounds, depth * budget), *(_nearest(bounds, d * budget) for d in draws)]
+
+    return places
+
+
+def _digits(rng: random.Random, low: int = 5, high: int = 7) -> str:
+    n = rng.randint(low, high)
+    return str(rng.randint(10 ** (n - 1), 10**n - 1))
+
+
+def _distinct(draw: Callable[[], str], n: int) -> list[str]:
+    values: list[str] = []
+    while len(values) < n:
+        value = draw()
+        if value not in values:
+            values.append(value)
+    return values
+
+
+# ---- word-passkey: Landmark filler, a word (or two) to remember ----
+
+WORDS = (
+    "heron", "otter", "falcon", "lantern", "harbour", "meadow", "compass", "willow", "comet", "anchor", "violin",
+    "pepper", "glacier", "marble", "thistle", "copper", "orchid", "badger", "saffron", "tulip",
+)  # fmt: skip
+WORD_NEEDLES = (
+    ("The magic word is {w}. Remember it. {w} is the magic word.", "What is the magic word? The magic word is"),
+    ("The password for the garden gate is {w}. Again, the password for the garden gate is {w}.",
+     "What is the password for the garden gate? The password for the garden gate is"),
+    ("Remember this word: {w}. The word to remember is {w}.",
+     "What is the word to remember? The word to remember is"),
+)  # fmt: skip
+
+
+def _word_answer(rng: random.Random) -> str:
+    if rng.random() < 0.5:
+        return rng.choice(WORDS)
+    return f"{rng.choice(ADJECTIVES)} {rng.choice(WORDS)}"
+
+
+def _build_word_passkey(tokenizer: Any, length: int, depth: float, rng: random.Random) -> Prompt:
+    needle, question = rng.choice(WORD_NEEDLES)
+    answer = _word_answer(rng)
+    ids, starts = _layout(tokenizer, "word-passkey", length, prompts.INTRO, [" " + needle.format(w=answer)],
+                          " " + question, "landmark", _places(depth, 1, rng), rng)  # fmt: skip
+    return Prompt(ids, answer, starts[0])
+
+
+# ---- list-lookup: a household inventory, one line with a number ----
+
+LIST_INTROS = (
+    "Below is a household inventory list. One line of it holds a number; a question about it follows.",
+    "Here is a long list of things in a house and where they are kept. Remember the number in it.",
+)
+LIST_LABELS = ("alarm code", "safe combination", "storage unit number", "bike lock code", "locker number")
+LIST_NEEDLE = "\n- NOTE: the {label} is {v}. The {label} is {v}."
+LIST_QUESTIONS = (
+    "\n\nWhat is the {label}? The {label} is",
+    "\n\nQuestion: what is the {label} in the list? Answer: the {label} is",
+    "\n\nLook at the list above. The {label} is",
+)
+
+
+def _build_list(tokenizer: Any, length: int, depth: float, rng: random.Random) -> Prompt:
+    label, intro, question = rng.choice(LIST_LABELS), rng.choice(LIST_INTROS), rng.choice(LIST_QUESTIONS)
+    answer = _digits(rng)
+    ids, starts = _layout(tokenizer, "list-lookup", length, intro, [LIST_NEEDLE.format(label=label, v=answer)],
+                          question.format(label=label), "rows", _places(depth, 1, rng), rng)  # fmt: skip
+    return Prompt(ids, answer, starts[0])
+
+
+# ---- multi-needle-all: 2-3 numbered pass keys, all asked in order ----
+
+ORDINALS = ("one", "two", "three")
+MULTI_ALL_NEEDLE = "Pass key {o} is {v}. Remember pass key {o}: {v}."
+MULTI_ALL_QUESTIONS = (
+    "What are pass keys {list}? In order, they are",
+    "Write down pass keys {list}, in order:",
+    "Question: what are pass keys {list}? Answer:",
+)
+
+
+def score_in_order(expected: str, output: str) -> tuple[str | None, bool]:
+    """The continuation's first words, "and" left out, must be the answer's words in order."""
+    want = words(expected)
+    got = [w for w in words(output) if w != "and"][: len(want)]
+    return " ".join(got) or None, bool(want) and got == want
+
+
+def _build_multi_all(tokenizer: Any, length: int, depth: float, rng: random.Random) -> Prompt:
+    n = rng.choice((2, 3))
+    values = _distinct(lambda: _digits(rng, 4, 6), n)
+    draws = sorted([depth, *(rng.random() for _ in range(n - 1))])
+    order = ORDINALS[:n]
+    listed = " and ".join(order) if n == 2 else f"{order[0]}, {order[1]} and {order[2]}"
+    question = rng.choice(MULTI_ALL_QUESTIONS).format(list=listed)
+    needles = [" " + MULTI_ALL_NEEDLE.format(o=o, v=v) for o, v in zip(order, values, strict=True)]
+    first = draws.index(depth)  # keys are numbered in text order; the one at `depth` is needle_token's
+
+    def places(bounds: list[int], budget: int) -> list[int]:
+        return [_nearest(bounds, d * budget) for d in draws]
+
+    ids, starts = _layout(tokenizer, "multi-needle-all", length, prompts.INTRO, needles, " " + question,
+                          "landmark", places, rng)  # fmt: skip
+    return Prompt(ids, " ".join(values), starts[first])
+
+
+# ---- code-needle: a constant in Python source ----
+
+CODE_NAMES = ("SECRET_KEY", "BUILD_NUMBER", "LICENSE_CODE", "MAGIC_VALUE", "DEPLOY_TOKEN", "SESSION_SEED")
+CODE_INTROS = (
+    "Read the following Python source code. A question about it comes at the end.",
+    "Below is a long Python file. Remember the value of the constant defined in it.",
+)
+CODE_NEEDLE = '\n{k} = "{v}"  # {k} is {v}'
+CODE_QUESTIONS = (
+    "\n\nWhat is the value of {k} in the code above? {k} is",
+    "\n\nQuestion: what is {k} set to? Answer: {k} is",
+    "\n\nIn the code above, the constant {k} equals",
+)
+
+
+def _build_code(tokenizer: Any, length: int, depth: float, rng: random.Random) -> Prompt:
+    key, intro, question = rng.choice(CODE_NAMES), rng.choice(CODE_INTROS), rng.choice(CODE_QUESTIONS)
+    answer = _digits(rng) if rng.random() < 0.5 else f"{rng.getrandbits(24):06x}"
+    ids, starts = _layout(tokenizer, "code-needle", length, intro, [CODE_NEEDLE.format(k=key, v=answer)],
+                          question.format(k=key), "code", _places(depth, 1, rng), rng)  # fmt: skip
+    return Prompt(ids, answer, starts[0])
+
+
+# ---- serial-needle: a UUID-like code in story sentences ----
+
+DEVICES = ("laptop", "camera", "bicycle", "radio", "printer", "telescope")
+SERIAL_NEEDLES = (
+    ("The serial number of {x}'s {d} is {u}. I repeat, the serial number is {u}.",
+     "What is the serial number of {x}'s {d}? The serial number is"),
+    ("{x} wrote the {d}'s serial number on a card: {u}. The serial number is {u}.",
+     "Which serial number did {x} write on the card? The serial number is"),
+    ("The {d} that {x} bought has serial number {u}, that is {u}.",
+     "What serial number does the {d} that {x} bought have? It has serial number"),
+)  # fmt: skip
+
+
+def _serial(rng: random.Random) -> str:
+    kind = rng.randrange(3)
+    if kind == 2:
+        return str(rng.randint(10**7, 10**8 - 1))
+    return "-".join(f"{rng.getrandbits(16):04x}" for _ in range(kind + 2))
+
+
+def _build_serial(tokenizer: Any, length: int, depth: float, rng: random.Random) -> Prompt:
+    needle, question = rng.choice(SERIAL_NEEDLES)
+    name, device, answer = rng.choice(NAMES), rng.choice(DEVICES), _serial(rng)
+    ids, starts = _layout(tokenizer, "serial-needle", length, rng.choice(PROSE_INTROS),
+                          [" " + needle.format(x=name, d=device, u=answer)], "\n\n" + question.format(x=name, d=device),
+                          "story", _places(depth, 1, rng), rng)  # fmt: skip
+    return Prompt(ids, answer, starts[0])
+
+
+# ---- question-first: the question before the document and again after ----
+
+PETS = ("Biscuit", "Pepper", "Mochi", "Ziggy", "Clover", "Juniper", "Waffles", "Pickles", "Noodle", "Maple")
+QF_FACTS: tuple[tuple[str, str, str, Callable[[random.Random], str]], ...] = (
+    ("The name of {x}'s cat is {y}; the cat is called {y}.", "What is the name of {x}'s cat?",
+     "The name of {x}'s cat is", lambda rng: rng.choice(PETS)),
+    ("{x} stayed in hotel room {y}, room number {y}.", "In which hotel room did {x} stay?",
+     "{x} stayed in hotel room", lambda rng: str(rng.randint(100, 9999))),
+    ("The secret number of {x} is {y}. {x}'s secret number is {y}.", "What is the secret number of {x}?",
+     "The secret number of {x} is", lambda rng: _digits(rng, 4, 7)),
+)  # fmt: skip
+
+
+def _build_question_first(tokenizer: Any, length: int, depth: float, rng: random.Random) -> Prompt:
+    fact, question, lead, answer_of = rng.choice(QF_FACTS)
+    name, answer = rng.choice(NAMES), answer_of(rng)
+    head = f"Answer the question using the document below.\nQuestion: {question.format(x=name)}\n\nDocument:"
+    tail = f"\n\nQuestion: {question.format(x=name)}\nAnswer: {lead.format(x=name)}"
+    ids, starts = _layout(tokenizer, "question-first", length, head, [" " + fact.format(x=name, y=answer)], tail,
+                          "prose", _places(depth, 1, rng), rng)  # fmt: skip
+    return Prompt(ids, answer, starts[0])
+
+
+# ---- multi-needle-one: three coloured pass keys, one asked ----
+
+COLOURS = ("red", "blue", "green", "yellow", "purple", "orange", "white", "black")
+MULTI_ONE_NEEDLES = (
+    ("The {c} pass key is {v}. Remember it. {v} is the {c} pass key.",
+     "What is the {c} pass key? The {c} pass key is"),
+    ("The code of the {c} door is {v}. The {c} door opens with {v}.",
+     "What is the code of the {c} door? The code of the {c} door is"),
+    ("Keep the {c} number in mind: {v}. The {c} number is {v}.", "What is the {c} number? The {c} number is"),
+)  # fmt: skip
+
+
+def _build_multi_one(tokenizer: Any, length: int, depth: float, rng: random.Random) -> Prompt:
+    needle, question = rng.choice(MULTI_ONE_NEEDLES)
+    digits = rng.randint(4, 7)
+    colours = rng.sample(COLOURS, 3)
+    values = _distinct(lambda: _digits(rng, digits, digits), 3)
+    needles = [" " + needle.format(c=c, v=v) for c, v in zip(colours, values, strict=True)]
+    ids, starts = _layout(tokenizer, "multi-needle-one", length, prompts.INTRO, needles,
+                          " " + question.format(c=colours[0]), "landmark", _places(depth, 3, rng), rng)  # fmt: skip
+    return Prompt(ids, values[0], starts[0])
+
+
+# ---- variable-tracking: RULER-style chain of assignments ----
+
+VT_QUESTIONS = (
+    "What is the value of VAR {v}? VAR {v} =",
+    "Question: what number does VAR {v} hold? Answer: VAR {v} =",
+    "Follow the assignments above. The value of VAR {v} is",
+)
+
+
+def _var_name(rng: random.Random) -> str:
+    return "".join(rng.choice(string.ascii_uppercase) for _ in range(3))
+
+
+def _build_vt(tokenizer: Any, length: int, depth: float, rng: random.Random) -> Prompt:
+    hops = rng.choice((2, 3))
+    names = _distinct(lambda: _var_name(rng), hops + 1)
+    value = _digits(rng, 4, 6)
+    links = [f" VAR {names[0]} = {value}."] + [f" VAR {b} = VAR {a}." for a, b in zip(names, names[1:], strict=False)]
+    later = sorted(rng.random() for _ in range(hops))
+
+    def places(bounds: list[int], budget: int) -> list[int]:
+        first = _nearest(bounds, depth * budget)
+        return [first, *(_nearest(bounds, first + d * (budget - first)) for d in later)]
+
+    ids, starts = _layout(tokenizer, "variable-tracking", length, prompts.INTRO, links,
+                          " " + rng.choice(VT_QUESTIONS).format(v=names[-1]), "landmark", places, rng)  # fmt: skip
+    return Prompt(ids, value, starts[0])
+
+
+NEW_FAMILIES: dict[str, SplitFamily] = {
+    f.name: f
+    for f in (
+        SplitFamily("word-passkey", _build_word_passkey, new_tokens=8, exact=True, split=TUNING),
+        SplitFamily("list-lookup", _build_list, new_tokens=10, exact=True, split=TUNING),
+        SplitFamily("multi-needle-all", _build_multi_all, new_tokens=24, exact=True, split=TUNING,
+                    scorer=score_in_order),  # fmt: skip
+        SplitFamily("code-needle", _build_code, new_tokens=10, exact=True, split=HELDOUT),
+        SplitFamily("serial-needle", _build_serial, new_tokens=20, exact=True, split=HELDOUT),
+        SplitFamily("question-first", _build_question_first, new_tokens=10, exact=True, split=HELDOUT),
+        SplitFamily("multi-needle-one", _build_multi_one, new_tokens=10, exact=True, split=HELDOUT),
+        SplitFamily("variable-tracking", _build_vt, new_tokens=10, exact=True, split=HELDOUT),
+    )
+}
+
+
+FAMILIES: dict[str, SplitFamily] = NEW_FAMILIES  # families.py adds these to its FAMILIES
+
+
+def wording_digest() -> str:
+    """A hash of these families' wording tables and the code haystack (which depends on the Python version)."""
+    tables = [NAMES, PROSE_INTROS, ADJECTIVES, WORDS, WORD_NEEDLES, LIST_INTROS, LIST_LABELS, LIST_NEEDLE,
+              LIST_QUESTIONS, ORDINALS, MULTI_ALL_NEEDLE, MULTI_ALL_QUESTIONS, CODE_NAMES, CODE_INTROS, CODE_NEEDLE,
+              CODE_QUESTIONS, DEVICES, SERIAL_NEEDLES, PETS, [f[:3] for f in QF_FACTS], COLOURS, MULTI_ONE_NEEDLES,
+              VT_QUESTIONS, generated_rows(50)]  # fmt: skip
+    return hashlib.sha1((json.dumps(tables) + "\n".join(code_lines())).encode()).hexdigest()[:16]

@@ -1,0 +1,65 @@
+"""The vocabulary of MoBA's settings that needs no torch: gate poolings, the built-in kernel backends, the
+spellings of a KV cache dtype, and numbers and switches as config files write them. `moba_hf.config` validates
+against these without importing the kernels, so reading a config file (and `moba-hf presets`) loads no torch;
+`moba_hf.kernels` takes its poolings from here. Standard library only: every layer may import it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+POOLINGS = ("mean", "max", "mean+max", "bound")
+# "auto" and the backends `moba_hf.kernels` registers at import; a name registered later (`register_backend`)
+# is checked against the live registry
+BUILTIN_BACKENDS = ("auto", "reference", "torch", "flex", "triton", "flash")
+
+# KV cache dtype as people write it -> vLLM's name (`--kv-cache-dtype` takes auto, float16, bfloat16, fp8, ...;
+# `--dtype` takes half and float too). "auto": the model's dtype. The MoBA kernels read float pages as they are.
+KV_CACHE_DTYPES = {
+    "auto": "auto",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float32": "float32", "fp32": "float32", "float": "float32",
+}  # fmt: skip
+
+
+def kv_cache_dtype(value: object, name: str = "kv_cache_dtype") -> str:
+    """`value` as vLLM names the dtype ("fp16" -> "float16"); ValueError naming the spellings otherwise."""
+    canonical = KV_CACHE_DTYPES.get(value.strip().lower()) if isinstance(value, str) else None
+    if canonical is None:
+        spellings = {}
+        for spelling, target in KV_CACHE_DTYPES.items():
+            spellings.setdefault(target, []).append(spelling)
+        accepted = "; ".join(" / ".join(group) for group in spellings.values())
+        raise ValueError(
+            f"{name} must be a KV cache dtype the MoBA kernels read ({accepted}), got {value!r}"
+            + (" (quantized caches are not readable by the MoBA kernels)" if _quantized(value) else "")
+        )
+    return canonical
+
+
+def _quantized(value: object) -> bool:
+    return isinstance(value, str) and value.strip().lower().startswith(("fp8", "int", "nvfp4", "turbo", "ultra"))
+
+
+# --- values as config files give them ---------------------------------------------------------------------
+# Server files pasted from a guide often carry numbers in quotes ("2", "4096"): digits alone are one integer, so
+# they are read as it; anything else ("2.0", "4K", "two") is left for the field's check to refuse.
+_DIGITS = re.compile(r"[+-]?[0-9]+")
+
+
+def file_int(value: Any) -> Any:
+    """`value`, with a string of digits ("2", " 4096 ") read as the integer it spells."""
+    if isinstance(value, str) and _DIGITS.fullmatch(value.strip()):
+        return int(value.strip())
+    return value
+
+
+def file_bool(name: str, value: Any) -> bool:
+    """true / false, or the strings "true" / "false" in any case; nothing else (not 0 / 1, "yes", "on")."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise ValueError(f'{name} must be true or false (or the string "true" / "false"), got {value!r}')

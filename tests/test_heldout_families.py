@@ -1,0 +1,174 @@
+"""The families of heldout_families.py: exact length, the needle at the documented depth, seeded prompts, scoring on
+every word of the answer, the registry's splits, and `--families` taking their names."""
+
+import json
+import re
+
+import pytest
+
+from moba_hf import cli
+from moba_hf.eval import families, heldout_families
+from moba_hf.eval.families import FAMILIES, SPLITS, parse_families, text_params
+from moba_hf.eval.heldout_families import NEW_FAMILIES, score, score_in_order
+
+NEW = list(NEW_FAMILIES)
+
+
+@pytest.mark.parametrize("name", NEW)
+@pytest.mark.parametrize("length", [300, 777, 2000])
+def test_prompts_are_exactly_the_requested_length(tokenizer, name, length):
+    family = FAMILIES[name]
+    assert family.exact
+    for trial, depth in enumerate([0.0, 0.3, 1.0]):
+        assert len(family.prompt(tokenizer, 0, length, depth, trial).ids) == length
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_the_needle_sits_at_the_requested_depth(tokenizer, name):
+    family = FAMILIES[name]
+    for trial in range(3):
+        for depth in (0.0, 0.25, 0.5, 0.75, 1.0):
+            prompt = family.prompt(tokenizer, 0, 1200, depth, trial)
+            window = tokenizer.decode(prompt.ids[prompt.needle_token : prompt.needle_token + 40])
+            # a value of the answer is spelled right where needle_token points (multi-needle-all: one of its keys)
+            assert any(re.match(rf"\s*\S*[^\n]*\b{re.escape(v)}\b", window) for v in prompt.expected.split()), window
+            # intro, question and the other needles are under 8% of 1200 tokens, a sentence or a line under 5%
+            assert abs(prompt.needle_token / len(prompt.ids) - depth) < 0.1, (depth, prompt.needle_token)
+
+
+def test_variable_tracking_links_follow_the_value_in_chain_order(tokenizer):
+    for trial in range(6):
+        for depth in (0.0, 0.5, 1.0):
+            text = tokenizer.decode(FAMILIES["variable-tracking"].prompt(tokenizer, 0, 900, depth, trial).ids)
+            links = re.findall(r"VAR ([A-Z]{3}) = (?:VAR )?([A-Z]{3}|\d+)\.", text)
+            assert 3 <= len(links) <= 4, links
+            assert links[0][1].isdigit() and all(b == a[0] for a, (_, b) in zip(links, links[1:], strict=False))
+            asked = re.findall(r"VAR ([A-Z]{3})(?: =| is| hold)", text.rsplit(".", 1)[-1] + text[-60:])
+            assert links[-1][0] in asked
+
+
+def test_multi_needle_all_asks_for_every_key_in_text_order(tokenizer):
+    for trial in range(8):
+        prompt = FAMILIES["multi-needle-all"].prompt(tokenizer, 0, 900, 0.5, trial)
+        text = tokenizer.decode(prompt.ids)
+        keys = re.findall(r"Pass key (one|two|three) is (\d+)\.", text)
+        assert [k for _, k in keys] == prompt.expected.split()
+        assert [o for o, _ in keys] == ["one", "two", "three"][: len(keys)]
+
+
+def test_multi_needle_one_asks_for_one_of_three_colours(tokenizer):
+    for trial in range(6):
+        prompt = FAMILIES["multi-needle-one"].prompt(tokenizer, 0, 900, 0.5, trial)
+        context = tokenizer.decode(prompt.ids[: -20])
+        values = re.findall(r"\b\d{4,7}\b", context)
+        assert len(set(values)) == 3 and prompt.expected in values
+
+
+def test_question_first_asks_before_and_after_the_document(tokenizer):
+    for trial in range(6):
+        text = tokenizer.decode(FAMILIES["question-first"].prompt(tokenizer, 0, 900, 0.5, trial).ids)
+        questions = re.findall(r"Question: ([^\n]+\?)", text)
+        assert len(questions) == 2 and questions[0] == questions[1]
+        assert text.index("Document:") < text.rindex("Question:")
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_prompts_are_reproducible_from_seed_length_depth_and_trial(tokenizer, name):
+    family = FAMILIES[name]
+    first = family.prompt(tokenizer, 3, 400, 0.5, 1)
+    assert family.prompt(tokenizer, 3, 400, 0.5, 1) == first
+    for other in [(4, 400, 0.5, 1), (3, 401, 0.5, 1), (3, 400, 0.25, 1), (3, 400, 0.5, 2)]:
+        assert family.prompt(tokenizer, *other).ids != first.ids, other
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_wordings_and_answers_vary_across_trials(tokenizer, name):
+    prompts = [FAMILIES[name].prompt(tokenizer, 0, 300, 0.5, trial) for trial in range(16)]
+    assert len({p.expected for p in prompts}) >= 12
+    questions = {re.sub(r"\b[A-Z][a-z]+ [A-Z][a-z]+\b|\b[A-Z]{3}\b|\b(red|blue|green|yellow|purple|orange|white|black)"
+                        r"\b|\b\w+_\w+\b", "X", tokenizer.decode(p.ids[-14:])) for p in prompts}  # fmt: skip
+    assert len(questions) >= 2, questions
+
+
+@pytest.mark.parametrize(
+    ("expected", "output", "correct"),
+    [
+        ("583921", " 583921.", True),
+        ("583921", ' "583921"  # SECRET', True),
+        ("583921", " 583", False),  # the first 3 of 6 digits
+        ("583921", " 583 921", False),
+        ("583921", " 5839210", False),
+        ("7f3a-91c2-4be0", " 7F3A-91C2-4BE0.", True),
+        ("7f3a-91c2-4be0", " 7f3a-91c2", False),  # two of three groups
+        ("7f3a-91c2-4be0", " 7f3a-91c2-4be1", False),
+        ("golden heron", " golden heron.", True),
+        ("golden heron", " golden", False),
+        ("golden heron", " heron", False),
+        ("Biscuit", " Biscuit; the cat", True),
+        ("Biscuit", " the cat Biscuit", False),
+    ],
+)
+def test_scorer_takes_every_word_of_the_answer(expected, output, correct):
+    assert score(expected, output)[1] is correct
+    assert families.score(expected, output) == score(expected, output)  # one rule for every family
+    for name in NEW:
+        if name != "multi-needle-all":
+            assert FAMILIES[name].score(expected, output)[1] is correct
+
+
+@pytest.mark.parametrize(
+    ("expected", "output", "correct"),
+    [
+        ("48213 90211", " 48213 and 90211.", True),
+        ("48213 90211", " 48213, 90211", True),
+        ("48213 90211 7730", " 48213, 90211 and 7730.", True),
+        ("48213 90211", " 48213.", False),  # one of two keys
+        ("48213 90211 7730", " 48213, 90211.", False),  # two of three
+        ("48213 90211", " 90211 and 48213", False),  # order
+        ("48213 90211", " 4821 and 90211", False),  # a key's last digit
+        ("48213 90211", " and", False),
+    ],
+)
+def test_multi_needle_all_needs_every_key_in_order(expected, output, correct):
+    assert score_in_order(expected, output)[1] is correct
+    assert FAMILIES["multi-needle-all"].score(expected, output)[1] is correct
+
+
+def test_every_family_is_registered_with_a_split():
+    assert set(NEW) <= set(FAMILIES) and len(NEW) >= 6
+    assert set(SPLITS) == set(FAMILIES) and set(SPLITS.values()) == {"tuning", "heldout"}
+    assert all(SPLITS[name] == "tuning" for name in families.ALL)
+    assert sum(SPLITS[name] == "heldout" for name in NEW) >= 3
+    assert all(FAMILIES[name].split == SPLITS[name] for name in NEW)
+    assert families.ALL == ("passkey", "prose-needle", "kv-retrieval")  # the sweep's default stays the three
+    with pytest.raises(ValueError, match="split must be one of tuning, heldout, got 'test'"):
+        heldout_families.SplitFamily("x", NEW_FAMILIES["code-needle"].build, 8, True, split="test")
+
+
+def test_family_names_parse_and_lengths_are_checked(tokenizer):
+    assert parse_families(",".join(["passkey", *NEW])) == ["passkey", *NEW]
+    with pytest.raises(ValueError, match="to hold the question-first prompt"):
+        families.check_fits(tokenizer, ["question-first"], [60, 4096])
+    with pytest.raises(ValueError, match="no room for the code-needle context"):
+        FAMILIES["code-needle"].prompt(tokenizer, 0, 30, 0.5, 0)
+
+
+def test_a_resume_after_a_wording_change_is_refused(monkeypatch):
+    base = text_params(["passkey"])
+    assert "heldout_wording_sha1" not in base and "prose_sha1" not in base
+    mine = text_params(["passkey", "code-needle"])
+    assert mine["heldout_wording_sha1"] == heldout_families.wording_digest()
+    assert "prose_sha1" in text_params(["question-first"])
+    monkeypatch.setattr(heldout_families, "CODE_NAMES", ("OTHER_NAME",))
+    assert text_params(["code-needle"])["heldout_wording_sha1"] != mine["heldout_wording_sha1"]
+
+
+def test_sweep_command_takes_the_new_families(tiny_dir, tmp_path, capsys, one_thread):
+    out = tmp_path / "sweep"
+    argv = ["eval", "sweep", "--model", str(tiny_dir), "--attn", "sdpa", "--lengths", "400", "--trials", "1",
+            "--ppl-length", "64", "--no-progress", "--out", str(out), "--families", ",".join(NEW)]  # fmt: skip
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert all(f"{name} 400" in printed for name in NEW), printed
+    trials = [json.loads(line) for line in (out / "trials.jsonl").read_text().splitlines()]
+    assert {t.get("family") for t in trials if "family" in t} == set(NEW)

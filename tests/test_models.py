@@ -1,0 +1,93 @@
+"""The one model loader (`moba_hf.models.load_model`): what it loads, and that the eval commands, training and
+`models.load` all go through it with their own defaults."""
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from moba_hf import MobaConfig, models
+
+
+@pytest.fixture(scope="module")
+def bare_dir(tmp_path_factory):
+    """A saved tiny random Llama without a tokenizer."""
+    path = tmp_path_factory.mktemp("bare_llama")
+    tiny_model("llama", dtype=torch.float32).save_pretrained(path)
+    return path
+
+
+def test_loads_a_checkpoint_dense_in_eval_mode(tiny_dir):
+    model, tokenizer = models.load_model(str(tiny_dir))
+    assert model.config._attn_implementation == "sdpa" and not model.training
+    assert next(model.parameters()).dtype == torch.float32 and next(model.parameters()).device.type == "cpu"
+    assert tokenizer("a passkey").input_ids  # the checkpoint's own tokenizer
+    model, _ = models.load_model(str(tiny_dir), dtype="bfloat16", device="cpu", tokenizer=tokenizer)
+    assert next(model.parameters()).dtype == torch.bfloat16
+
+
+def test_switches_moba_or_another_attention_on(tiny_dir):
+    model, _ = models.load_model(str(tiny_dir), moba={"block_size": 16, "top_k": 2})
+    assert model.config._attn_implementation == "moba"
+    assert MobaConfig.from_dict(model.config.moba_config) == MobaConfig(block_size=16, top_k=2)
+    model, _ = models.load_model(str(tiny_dir), attn_implementation="eager")
+    assert model.config._attn_implementation == "eager"
+
+
+def test_tokenizer_required_optional_or_given(bare_dir, tiny_dir):
+    model, tokenizer = models.load_model(str(bare_dir), tokenizer="optional")
+    assert tokenizer is None and model.config.model_type == "llama"
+    with pytest.raises((OSError, ValueError, TypeError)):
+        models.load_model(str(bare_dir))  # "required" is the default
+    given = object()
+    assert models.load_model(str(bare_dir), tokenizer=given)[1] is given
+
+
+def test_pick_device():
+    assert models.pick_device(None) is None and models.pick_device("cuda:1") == "cuda:1"
+    assert models.pick_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Records the calls of models.load_model instead of loading."""
+    made = []
+
+    def record(name, **kwargs):
+        made.append((name, kwargs))
+        return "model", kwargs.get("tokenizer")
+
+    monkeypatch.setattr(models, "load_model", record)
+    return made
+
+
+def test_eval_commands_load_through_it(calls):
+    from moba_hf.eval.cli import load_model
+
+    load_model("some/checkpoint", device="cpu")
+    given = object()
+    load_model("smollm2", dtype="auto", device="cuda:1", tokenizer=given)
+    load_model("smollm2", dtype="float16", device="cpu")
+    assert calls == [
+        ("some/checkpoint", {"dtype": "float32", "device": "cpu", "tokenizer": "required"}),
+        ("smollm2", {"dtype": "bfloat16", "device": "cuda:1", "tokenizer": given}),  # --dtype auto on CUDA
+        ("smollm2", {"dtype": "float16", "device": "cpu", "tokenizer": "required"}),
+    ]
+
+
+def test_training_loads_through_it(calls):
+    from moba_hf.train import TrainConfig, load_model
+
+    load_model(TrainConfig.from_dict({"model": {"name": "some/checkpoint", "dtype": "bfloat16"}}))
+    assert calls == [("some/checkpoint", {"dtype": "bfloat16", "tokenizer": "optional"})]
+
+
+def test_load_is_the_loader_for_embedded_names(calls):
+    models.load("smollm2", attn_implementation="moba", moba="training-free")
+    models.load("smollm2", dtype="bfloat16")
+    assert calls == [
+        ("smollm2", {"attn_implementation": "moba", "moba": "training-free", "dtype": "float32"}),
+        ("smollm2", {"attn_implementation": "sdpa", "moba": None, "dtype": "bfloat16"}),
+    ]
+    with pytest.raises(ValueError, match="unknown embedded model 'tiny'; available: \\['smollm2'\\]"):
+        models.load("tiny")
+    assert len(calls) == 2
