@@ -27,11 +27,9 @@ Both use transformers' DynamicCache, which copies the whole cache at every step 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import datetime
 import inspect
-import multiprocessing
 import os
 import platform
 import statistics
@@ -44,6 +42,8 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench_attention import busy  # noqa: E402
 
 from moba_hf import MobaConfig  # noqa: E402
 from moba_hf.integration import cache as moba_cache  # noqa: E402
@@ -88,25 +88,6 @@ def timed_pair(first, second, repeats: int, warmup: int = 3) -> tuple[list[float
             fn()
             out.append(time.perf_counter() - t)
     return times
-
-
-def _spin() -> None:
-    while True:
-        pass
-
-
-@contextlib.contextmanager
-def load(name: str, processes: int):
-    """ "idle": nothing added; "busy": `processes` CPU-bound processes running beside the timing."""
-    workers = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(processes if name == "busy" else 0)]
-    for w in workers:
-        w.start()
-    try:
-        yield
-    finally:
-        for w in workers:
-            w.terminate()
-            w.join()
 
 
 # --- op level -----------------------------------------------------------------------------------------------------
@@ -267,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
             cases[name, context] = case = OpCase(moba, context)
             print(f"check op {name} {context}: max abs error vs reference {case.error:.1e} -> ok", flush=True)
     for load_name in args.loads:
-        with load(load_name, args.busy):
+        with busy(args.busy if load_name == "busy" else 0):
             for (name, context), case in cases.items():
                 t_moba, t_sdpa = timed_pair(case.moba, case.sdpa, args.repeats)
                 rows.append(
@@ -288,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
                 moba_hf.revert(model)
                 print(f"check model {name} {context}: relative logit difference {checks[name, context]:.1e} -> ok")
         for load_name in args.loads:
-            with load(load_name, args.busy):
+            with busy(args.busy if load_name == "busy" else 0):
                 for (name, context), diff in checks.items():
                     t_moba, t_sdpa = [], []
                     for _ in range(args.rounds):  # alternate the settings so both see the same machine load

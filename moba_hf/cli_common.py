@@ -102,7 +102,7 @@ def add_out_arg(parser: argparse.ArgumentParser, command: str, what: str = "resu
 
 def add_text_args(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--text", metavar="PATH", help=f"{what}: a text file or a directory of text files")
-    parser.add_argument("--haystack", dest="text", help=argparse.SUPPRESS)  # the old name of --text
+    parser.add_argument("--haystack", dest="text", help=argparse.SUPPRESS)  # an alias of --text
     parser.add_argument("--dataset", help="a `datasets` dataset name (datasets.load_dataset), instead of --text")
     parser.add_argument("--dataset-config", help="the dataset's configuration name")
     parser.add_argument("--split", default="train", help="dataset split (default train)")

@@ -63,7 +63,7 @@ def test_every_eval_command_shares_the_vocabulary():
         assert args.model == "smollm2" and args.dtype == "auto" and args.device == "auto"
     for task in ("niah", "ppl", "sweep"):
         assert parser.parse_args(["eval", task, "--text", "t.txt"]).text == "t.txt"
-    assert parser.parse_args(["eval", "niah", "--haystack", "t.txt"]).text == "t.txt"  # the old name still works
+    assert parser.parse_args(["eval", "niah", "--haystack", "t.txt"]).text == "t.txt"  # an alias of --text
     assert parser.parse_args(["eval", "lm-eval-data"]).out == "runs/lm-eval-data"
     assert parser.parse_args(["demo", "--lengths", "2K,4K"]).lengths == [2048, 4096]
 

@@ -81,6 +81,50 @@ def test_decode_kernel_matches_reference_per_row(case, path, monkeypatch):
         torch.testing.assert_close(out[r : r + 1], want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=_case_id)
+def test_rows_of_one_length_select_as_padded_rows_do_step_after_step(case):
+    """starts=None (rows of one length) keeps each step's block masks for the next steps: over a growing cache,
+    with the masks of earlier steps kept, every step selects what the same rows passed with starts select, and
+    attends as the reference does."""
+    b, hq, hkv, nk, nq, d, bs, k, pool, sink, local = case
+    q = torch.randn(b, hq, nq, d, dtype=torch.float64)
+    keys = torch.randn(b, hkv, nk + 2 * bs, d, dtype=torch.float64)
+    values = torch.randn_like(keys)
+    gate = dict(block_size=bs, top_k=k, pooling=pool, sink_blocks=sink, local_blocks=local)
+    for n in range(max(nq, nk - bs), nk + 2 * bs + 1):  # every position inside a block, and across two boundaries
+        kc, vc = keys[:, :, :n], values[:, :, :n]
+        block_keys = block_keys_from_cache(kc, bs, pool)
+        out, chosen = moba_decode(q, kc, vc, block_keys, return_selection=True, **gate)
+        zeros = torch.zeros(b, dtype=torch.long)
+        _, want_chosen = moba_decode(q, kc, vc, block_keys, starts=zeros, return_selection=True, **gate)
+        assert torch.equal(chosen, want_chosen), n
+        want = moba_attention_reference(q, kc, vc, **gate)
+        tol = rounding_tol(torch.float64, nq, n, d)
+        torch.testing.assert_close(out, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+@pytest.mark.parametrize("case", KERNEL_CASES[:3] + KERNEL_CASES[5:9], ids=_case_id)
+def test_decode_gradients_equal_the_reference(case, contiguous):
+    """Under autograd the step gathers its windows as tracked copies: dq, dk, dv equal the reference's."""
+    b, hq, hkv, nk, nq, d, bs, k, pool, sink, local = case
+    gate = dict(block_size=bs, top_k=k, pooling=pool, sink_blocks=sink, local_blocks=local)
+    q = torch.randn(b, hq, nq, d, dtype=torch.float64, requires_grad=True)
+    keys = torch.randn(b, hkv, nk, d, dtype=torch.float64)
+    values = torch.randn_like(keys)
+    if not contiguous:  # a cache whose rows are strided (heads interleaved)
+        keys, values = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (keys, values))
+    keys.requires_grad_(True)
+    values.requires_grad_(True)
+    grad = torch.randn(b, hq, nq, d, dtype=torch.float64)
+    got = torch.autograd.grad(moba_decode(q, keys, values, block_keys_from_cache(keys.detach(), bs, pool), **gate),
+                              (q, keys, values), grad)  # fmt: skip
+    want = torch.autograd.grad(moba_attention_reference(q, keys, values, **gate), (q, keys, values), grad)
+    tol = rounding_tol(torch.float64, nq, nk, d)
+    for name, g, w in zip("qkv", got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol, msg=lambda m, n=name: f"d{n}: {m}")
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 @pytest.mark.parametrize("which", ["q", "k", "v"])
@@ -185,14 +229,16 @@ def test_decode_kernel_float32_and_bad_args():
 
 
 # --- the running block state ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("padded", [True, False])  # rows of different lengths / one length (one-block updates)
 @pytest.mark.parametrize("read_every", [1, 3])  # pooled keys re-derived for the blocks of several appends at once
 @pytest.mark.parametrize("pooling", ["mean", "max", "mean+max", "bound"])
-def test_block_state_equals_recomputation_after_every_append(pooling, read_every):
+def test_block_state_equals_recomputation_after_every_append(pooling, read_every, padded):
     bs, b, hkv, d = 4, 3, 2, 5
     keys = torch.randn(b, hkv, 44, d, dtype=torch.float64)
     real = torch.ones(b, 44, dtype=torch.bool)
-    real[1, :3] = False  # left padding
-    real[2, :9] = False
+    if padded:
+        real[1, :3] = False  # left padding
+        real[2, :9] = False
     state = moba_cache.BlockState(keys, bs, pooling)
     n = 0
     for i, chunk in enumerate((11, 1, 1, 7, 1, 1, 1, 5, 12, 1, 1, 1, 1)):  # prefill, decode steps, chunks

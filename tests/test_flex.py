@@ -47,6 +47,9 @@ results = []
 for i, ((b, hq, hkv, nq, nk, d), gate) in enumerate(cases):
     g = torch.Generator().manual_seed(i)
     q, k, v = (torch.randn(b, h, n, d, generator=g) for h, n in ((hq, nq), (hkv, nk), (hkv, nk)))
+    if sys.argv[2:] == ["nan-after"]:  # each row's memory after its last query / key holds NaN
+        q, k, v = (torch.cat([t, torch.full((b, t.shape[1], 200, d), float("nan"))], dim=2)[:, :, : t.shape[2]]
+                   for t in (q, k, v))
     try:
         out = moba_attention(q, k, v, backend="flex", **gate)
         err = (out - moba_attention(q, k, v, backend="reference", **gate)).abs().max().item()
@@ -78,6 +81,17 @@ def test_flex_cpu_after_another_shape_matches_reference():
     """Shape B, then shapes A: each call equals the reference (CPU compiles one static kernel per signature;
     three compiles: 50-95 s with an empty Inductor cache, 20 s with a warm one, on a shared 2-core box)."""
     _assert_all_match(_run_fresh(json.dumps(SEQUENCE)))
+
+
+@pytest.mark.slow
+def test_flex_cpu_reads_nothing_past_the_tensors():
+    """Queries and keys that end inside a tile, each (row, head) followed in memory by NaN: the CPU kernel reads
+    whole tiles, so without padding the NaN past the last key reaches the output (masked weight 0 x NaN)."""
+    cases = [
+        ((1, 2, 1, 45, 56, 8), {"block_size": 4, "top_k": 2}),
+        ((2, 2, 2, 7, 130, 16), {"block_size": 8, "top_k": 3}),
+    ]
+    _assert_all_match(_run_fresh(json.dumps(cases), "nan-after"))
 
 
 @pytest.mark.slow

@@ -72,10 +72,30 @@ def _families_arg(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def _families(p: argparse.ArgumentParser, default: str) -> None:
+_SPLIT_HELP = {"tuning": "a preset may be chosen on these", "heldout": "reported only, never used to choose"}
+
+
+def _families(p: argparse.ArgumentParser, default: str | None = None) -> None:
+    """--families, its help listing every registered family by split; `default` None: the sweep's (families.ALL)."""
+    # the registry imports no torch (families.py, heldout_families.py, texts.py: about 25 ms), so --help reads it
+    from .families import ABOUT, ALL, by_split
+
+    default = ",".join(ALL) if default is None else default
+
+    groups = [f"{split} ({_SPLIT_HELP.get(split, split)}): "
+              + ", ".join(f"{name} ({ABOUT[name]})" if name in ABOUT else name for name in names)
+              for split, names in by_split().items() if names]  # fmt: skip
     p.add_argument("--families", type=_families_arg, metavar="LIST",
-                   help="prompt families, comma-separated: passkey (Landmark filler), prose-needle (a fact in real "
-                   f"prose), kv-retrieval (one record of a key-value list); default: {default}")  # fmt: skip
+                   help=f"prompt families, comma-separated; {'; '.join(groups)}; default: {default}")  # fmt: skip
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's help layout, with lines broken at spaces only (so that kv-retrieval stays one word)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        import textwrap
+
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
 def _sparsity(p: argparse.ArgumentParser) -> None:
@@ -88,7 +108,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     tasks = evaluate.add_subparsers(dest="task", required=True, metavar="TASK")
 
-    p = tasks.add_parser("passkey", help="passkey retrieval (Landmark-attention prompt), lengths x depths grid")
+    p = tasks.add_parser("passkey", help="passkey retrieval (Landmark-attention prompt), lengths x depths grid",
+                         formatter_class=_HelpFormatter)  # fmt: skip
     _common(p, "passkey", "1K,2K")
     _grid(p, 3)
     _sparsity(p)
@@ -121,17 +142,19 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_ppl, prog=p.prog)
 
     p = tasks.add_parser(
-        "sweep", help="training-free sweep: retrieval on several prompt families + perplexity vs measured sparsity"
+        "sweep",
+        help="training-free sweep: retrieval on several prompt families + perplexity vs measured sparsity",
+        formatter_class=_HelpFormatter,
     )
     _common(p, "sweep", "2048,4096,8000", default_settings="sdpa and the whole grid")
-    _families(p, "passkey,prose-needle,kv-retrieval")
+    _families(p)
     p.add_argument("--trials", type=positive_int, default=20, help="trials per length (depths spread evenly)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=positive_int, default=5, help="trials per forward pass (default 5)")
     add_text_args(p, "perplexity text (default: Python's stdlib docstrings)")
     p.add_argument("--ppl-length", type=parse_length, default=8000, help="perplexity tokens (default 8000)")
-    p.add_argument("--only", help=argparse.SUPPRESS)  # the old flag: grid names, comma-separated (now --attn)
-    p.add_argument("--setting", action="append", dest="attn", help=argparse.SUPPRESS)  # the old name of --attn
+    p.add_argument("--only", help=argparse.SUPPRESS)  # grid names, comma-separated: each as an --attn
+    p.add_argument("--setting", action="append", dest="attn", help=argparse.SUPPRESS)  # an alias of --attn
     p.set_defaults(func=_run_sweep, prog=p.prog)
 
     p = tasks.add_parser("lm-eval-data", help="write passkey.jsonl / niah.jsonl for the lm-eval tasks")

@@ -30,7 +30,6 @@ with punctuation and whitespace runs read as one space ("  Oslo." matches "oslo"
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import random
@@ -39,21 +38,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import prompts
+from .family import ADJECTIVES, NAMES, PROSE_INTROS, SPLIT_NAMES, Family, Prompt, score  # noqa: F401 (Prompt, score: re-exported)
 from .texts import generated_text, prose_digest, prose_sentences
 
-NAMES = (
-    "Mira Okafor", "Tomas Lindqvist", "Aiko Tanaka", "Rafael Moreno", "Ingrid Halvorsen", "Kwame Mensah",
-    "Lucia Ferraro", "Dmitri Volkov", "Priya Raman", "Owen Gallagher", "Sofia Marquez", "Henrik Bauer",
-)  # fmt: skip
 _CITIES = ("Lisbon", "Kyoto", "Nairobi", "Montreal", "Oslo", "Lima", "Hanoi", "Porto", "Dublin", "Seville")
 _SPICES = ("saffron", "cardamom", "nutmeg", "tamarind", "fennel", "juniper", "sumac", "lemongrass", "turmeric")
-_ADJECTIVES = ("silver", "quiet", "amber", "crimson", "northern", "velvet", "hollow", "golden", "lucky", "pale")
 _NOUNS = ("heron", "otter", "falcon", "lantern", "harbour", "meadow", "compass", "willow", "comet", "anchor")
 _PLACES = ("doormat", "flower pot", "garden gnome", "loose brick", "blue bucket", "porch step", "old boot")
 
 
 def _two_words(rng: random.Random) -> str:
-    return f"{rng.choice(_ADJECTIVES)} {rng.choice(_NOUNS)}"
+    return f"{rng.choice(ADJECTIVES)} {rng.choice(_NOUNS)}"
 
 
 # (needle, question, answer draw): {x} a name, {y} the answer; questions end where the answer comes
@@ -70,35 +65,12 @@ PROSE_NEEDLES: tuple[tuple[str, str, Callable[[random.Random], str]], ...] = (
     ("{x} hides the spare key under the {y}.", "Where does {x} hide the spare key? Under the",
      lambda rng: rng.choice(_PLACES)),
 )  # fmt: skip
-PROSE_INTROS = (
-    "Read the following text carefully. A question about it comes at the end.",
-    "Below is a long document. Remember the facts about people that it mentions.",
-    "Here is some reading material, followed by a question.",
-)
 
 KV_VALUES: tuple[Callable[[random.Random], str], ...] = (
     lambda rng: str(rng.randint(100000, 999999)),  # digits
     lambda rng: f"{rng.getrandbits(24):06x}",  # hex code
     _two_words,
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Prompt:
-    ids: list[int]  # the prompt's token ids, special tokens included
-    expected: str  # the answer
-    needle_token: int  # index in ids of the needle's first token
-
-
-def _words(text: str) -> list[str]:
-    return re.sub(r"[^0-9a-z]+", " ", str(text).lower()).split()
-
-
-def score(expected: str, output: str) -> tuple[str | None, bool]:
-    """(the continuation's first words, as many as the answer has; whether they are the answer's words)."""
-    want = _words(expected)
-    got = _words(output)[: len(want)]
-    return " ".join(got) or None, bool(want) and got == want
 
 
 def _special(tokenizer: Any) -> list[int]:
@@ -218,41 +190,6 @@ def _build_kv(tokenizer: Any, length: int, depth: float, rng: random.Random) -> 
     return Prompt(ids, values[0], target)
 
 
-@dataclasses.dataclass(frozen=True)
-class Family:
-    """A prompt family: `build(tokenizer, length, depth, rng) -> Prompt` and the module's `score`."""
-
-    name: str
-    build: Callable[[Any, int, float, random.Random], Prompt]
-    new_tokens: int  # greedy tokens to generate: the longest answer plus a leading space and a spare
-    exact: bool  # prompts are exactly `length` tokens (else: at most, by less than one context unit)
-
-    def rng(self, seed: int, length: int, depth: float, trial: int) -> random.Random:
-        return random.Random(f"{self.name}:{seed}:{length}:{depth}:{trial}")
-
-    def prompt(self, tokenizer: Any, seed: int, length: int, depth: float, trial: int) -> Prompt:
-        """The prompt of one grid cell: the same for every setting and every re-run."""
-        if not 0.0 <= depth <= 1.0:
-            raise ValueError(f"depth must be in [0, 1], got {depth}")
-        return self.build(tokenizer, length, depth, self.rng(seed, length, depth, trial))
-
-    def score(self, expected: str, output: str) -> tuple[str | None, bool]:
-        return score(expected, output)
-
-    def min_length(self, tokenizer: Any) -> int:
-        """A length that holds every wording with some context: the shortest that 64 draws at depth 0.5
-        built, plus 16 tokens (answers and names vary in tokens)."""
-        n = 32
-        for trial in range(64):
-            while True:
-                try:
-                    self.build(tokenizer, n, 0.5, self.rng(0, 0, 0.5, trial))
-                    break
-                except ValueError:
-                    n += 8
-        return n + 16
-
-
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
@@ -271,8 +208,14 @@ def parse_families(spec: str | Sequence[str] | None) -> list[str]:
     names = [n.strip() for n in (spec.split(",") if isinstance(spec, str) else spec) if n.strip()]
     unknown = [n for n in names if n not in FAMILIES]
     if not names or unknown:
-        raise ValueError(f"families must be names among {', '.join(ALL)}, got {spec!r}")
+        raise ValueError(f"families must be names among {', '.join(FAMILIES)}, got {spec!r}"
+                         + (f" (unknown: {', '.join(unknown)})" if unknown else ""))  # fmt: skip
     return list(dict.fromkeys(names))
+
+
+def by_split() -> dict[str, list[str]]:
+    """{"tuning": [names], "heldout": [names]}, in registry order: the layout of the `--families` help."""
+    return {split: [name for name in FAMILIES if SPLITS[name] == split] for split in SPLIT_NAMES}
 
 
 def check_fits(tokenizer: Any, families: Sequence[str], lengths: Sequence[int]) -> None:
@@ -285,7 +228,7 @@ def check_fits(tokenizer: Any, families: Sequence[str], lengths: Sequence[int]) 
 
 def wording_digest() -> str:
     """A hash of the families' wording tables: a resume after they change is refused, not mixed."""
-    tables = [prompts.INTRO, prompts.FILLER, prompts.WORDINGS, NAMES, _CITIES, _SPICES, _ADJECTIVES, _NOUNS,
+    tables = [prompts.INTRO, prompts.FILLER, prompts.WORDINGS, NAMES, _CITIES, _SPICES, ADJECTIVES, _NOUNS,
               _PLACES, [needle[:2] for needle in PROSE_NEEDLES], PROSE_INTROS, KV_NEEDLES, N_NEEDLES]  # fmt: skip
     return hashlib.sha1(json.dumps(tables).encode()).hexdigest()[:16]
 
@@ -306,4 +249,16 @@ def text_params(families: Sequence[str]) -> dict[str, Any]:
 from . import heldout_families  # noqa: E402
 
 FAMILIES.update(heldout_families.FAMILIES)
-SPLITS: dict[str, str] = {name: getattr(f, "split", heldout_families.TUNING) for name, f in FAMILIES.items()}
+SPLITS: dict[str, str] = {name: f.split for name, f in FAMILIES.items()}
+# a few words per family for `--families` help (the module docstrings hold the details)
+ABOUT: dict[str, str] = {
+    "passkey": "a number in Landmark filler",
+    "prose-needle": "a fact about a person in Python's documentation",
+    "kv-retrieval": "one of three key-value facts in story sentences",
+    "word-passkey": "a word in Landmark filler",
+    "list-lookup": "a code in a household inventory list",
+    "code-needle": "a constant's value in Python source",
+    "serial-needle": "a serial number in story sentences",
+    "question-first": "a fact in prose, asked before and after it",
+    "multi-needle-one": "one of three coloured pass keys",
+}

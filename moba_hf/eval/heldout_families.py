@@ -1,127 +1,46 @@
-"""More prompt families, each one that dense attention on the embedded SmolLM2-135M-Instruct answers (>= 80% at
-4K and 8K tokens), so that a sparse setting's loss shows; registered into `families.FAMILIES` with a `split`:
-"tuning" (a preset may be chosen on them; so are passkey, prose-needle and kv-retrieval) or "heldout" (only
-reported, never used to choose).
+"""More prompt families, each chosen as one that dense attention on the embedded SmolLM2-135M-Instruct answers,
+so that a sparse setting's loss shows; families.py adds them to `families.FAMILIES` and lists every family's
+split in `families.SPLITS`: "tuning" (a preset may be chosen on it; so are passkey, prose-needle and
+kv-retrieval) or "heldout" (reported only, never used to choose).
 
-    family             split    context                         needles                                answer
-    word-passkey       tuning   Landmark filler, repeated       "The magic word is heron. ... heron    a word or two
-                                                                is the magic word."
+    family             split    context                         needle                                 answer
+    word-passkey       tuning   Landmark filler, repeated       "The magic word is heron. Remember     a word or
+                                                                it. heron is the magic word."          two words
     list-lookup        tuning   household inventory lines       "- NOTE: the alarm code is 583921.     5-7 digits
                                 (bullets, table rows)           The alarm code is 583921."
-    multi-needle-all   tuning   Landmark filler                 2-3 "Pass key one is 48213." at drawn  all the keys,
-                                                                depths                                 in order
-    code-needle        heldout  Python stdlib source lines      "SECRET_KEY = 583921  # SECRET_KEY     digits or a
-                                                                is 583921"                             hex string
-    serial-needle      heldout  generated story sentences       "The serial number of Mira's laptop    UUID-like hex
-                                                                is 7f3a-91c2. I repeat, ..."           groups, 8 digits
-    question-first     heldout  Python reference / docstring    one fact, the question before the      a word or digits
-                                prose                           context and again after
-    multi-needle-one   heldout  Landmark filler                 3 "The red pass key is 48213."; one    4-7 digits
-                                                                colour is asked
-    variable-tracking  heldout  Landmark filler                 "VAR QXK = 48213." then "VAR BRT =     the value
-                                                                VAR QXK." (2-3 hops)
+    code-needle        heldout  Python stdlib source lines      'SECRET_KEY = "583921"  # SECRET_KEY   5-7 digits or
+                                                                is 583921'                             6 hex digits
+    serial-needle      heldout  generated story sentences       "The serial number of Mira Okafor's    UUID-like hex
+                                                                laptop is 7f3a-91c2. I repeat, ..."    groups, 8 digits
+    question-first     heldout  Python reference / docstring    one fact about a person; the question  a name or
+                                prose                           before the document and again after    3-7 digits
+    multi-needle-one   heldout  Landmark filler                 3 "The red pass key is 48213. ..."     4-7 digits
+                                                                of distinct colours; one is asked
 
 Length: every prompt is exactly `length` tokens, special tokens included (the context is cut at a token).
-Depth: the needle (the asked one; for multi-needle-all the first; for variable-tracking the value statement)
-sits at the context unit boundary (sentence, filler sentence or line) nearest depth x the context's tokens: 0 is
-right after the intro, 1 right before the question; the other needles sit at drawn depths (variable-tracking's
-later links after the value statement, in chain order).
-Seeds, scoring: as in families.py (random.Random(f"{family}:{seed}:{length}:{depth}:{trial}"); the
-continuation's first words must be every word of the answer). multi-needle-all also accepts "and" between the
-keys ("48213 and 90211"); a missing, extra-first or reordered key is wrong.
+Depth: the (asked) needle sits at the context unit boundary (sentence, filler sentence or line) nearest
+depth x the context's tokens: 0 is right after the intro, 1 right before the question; multi-needle-one's two
+other needles sit at drawn depths.
+Seeds and scoring as in families.py: random.Random(f"{family}:{seed}:{length}:{depth}:{trial}"), and the
+continuation's first words must be every word of the answer (all digits of a code, every hex group).
+
+Tried and left out, dense 0/5 at 4096 tokens: all of 2-3 numbered pass keys in Landmark filler (the model
+repeats the first key or starts a list), and a RULER-style chain "VAR QXK = 48213. ... VAR BRT = VAR QXK."
+asked for the last name's value (it answers a variable name).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import random
 import re
-import string
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import prompts
+from .family import ADJECTIVES, HELDOUT, NAMES, PROSE_INTROS, TUNING, Family, Prompt
 from .texts import code_lines, generated_rows, generated_text, prose_sentences
-
-TUNING, HELDOUT = "tuning", "heldout"
-SPLITS = (TUNING, HELDOUT)
-
-
-# the people of families.NAMES and its PROSE_INTROS (families.py imports this module, so it cannot import them)
-NAMES = (
-    "Mira Okafor", "Tomas Lindqvist", "Aiko Tanaka", "Rafael Moreno", "Ingrid Halvorsen", "Kwame Mensah",
-    "Lucia Ferraro", "Dmitri Volkov", "Priya Raman", "Owen Gallagher", "Sofia Marquez", "Henrik Bauer",
-)  # fmt: skip
-PROSE_INTROS = (
-    "Read the following text carefully. A question about it comes at the end.",
-    "Below is a long document. Remember the facts about people that it mentions.",
-    "Here is some reading material, followed by a question.",
-)
-ADJECTIVES = ("silver", "quiet", "amber", "crimson", "northern", "velvet", "hollow", "golden", "lucky", "pale")
-
-
-@dataclasses.dataclass(frozen=True)
-class Prompt:
-    """The fields of families.Prompt."""
-
-    ids: list[int]  # the prompt's token ids, special tokens included
-    expected: str  # the answer
-    needle_token: int  # index in ids of the (asked) needle's first token
-
-
-def words(text: str) -> list[str]:
-    return re.sub(r"[^0-9a-z]+", " ", str(text).lower()).split()
-
-
-def score(expected: str, output: str) -> tuple[str | None, bool]:
-    """families.score's rule: (the continuation's first words, as many as the answer has; whether they are the
-    answer's words)."""
-    want = words(expected)
-    got = words(output)[: len(want)]
-    return " ".join(got) or None, bool(want) and got == want
-
-
-@dataclasses.dataclass(frozen=True)
-class SplitFamily:
-    """families.Family's interface (build, new_tokens, exact, rng, prompt, score, min_length) with its split,
-    and a scorer of its own when `scorer` is given."""
-
-    name: str
-    build: Callable[[Any, int, float, random.Random], Prompt]
-    new_tokens: int  # greedy tokens to generate: the longest answer plus a leading space and a spare
-    exact: bool  # prompts are exactly `length` tokens
-    split: str = TUNING
-    scorer: Callable[[str, str], tuple[str | None, bool]] | None = None
-
-    def __post_init__(self) -> None:
-        if self.split not in SPLITS:
-            raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {self.split!r}")
-
-    def rng(self, seed: int, length: int, depth: float, trial: int) -> random.Random:
-        return random.Random(f"{self.name}:{seed}:{length}:{depth}:{trial}")
-
-    def prompt(self, tokenizer: Any, seed: int, length: int, depth: float, trial: int) -> Prompt:
-        """The prompt of one grid cell: the same for every setting and every re-run."""
-        if not 0.0 <= depth <= 1.0:
-            raise ValueError(f"depth must be in [0, 1], got {depth}")
-        return self.build(tokenizer, length, depth, self.rng(seed, length, depth, trial))
-
-    def score(self, expected: str, output: str) -> tuple[str | None, bool]:
-        return (self.scorer or score)(expected, output)
-
-    def min_length(self, tokenizer: Any) -> int:
-        """As families.Family.min_length: the shortest length that 64 draws at depth 0.5 built, plus 16."""
-        n = 32
-        for trial in range(64):
-            while True:
-                try:
-                    self.build(tokenizer, n, 0.5, self.rng(0, 0, 0.5, trial))
-                    break
-                except ValueError:
-                    n += 8
-        return n + 16
 
 
 def _special(tokenizer: Any) -> list[int]:
@@ -285,42 +204,6 @@ def _build_list(tokenizer: Any, length: int, depth: float, rng: random.Random) -
     return Prompt(ids, answer, starts[0])
 
 
-# ---- multi-needle-all: 2-3 numbered pass keys, all asked in order ----
-
-ORDINALS = ("one", "two", "three")
-MULTI_ALL_NEEDLE = "Pass key {o} is {v}. Remember pass key {o}: {v}."
-MULTI_ALL_QUESTIONS = (
-    "What are pass keys {list}? In order, they are",
-    "Write down pass keys {list}, in order:",
-    "Question: what are pass keys {list}? Answer:",
-)
-
-
-def score_in_order(expected: str, output: str) -> tuple[str | None, bool]:
-    """The continuation's first words, "and" left out, must be the answer's words in order."""
-    want = words(expected)
-    got = [w for w in words(output) if w != "and"][: len(want)]
-    return " ".join(got) or None, bool(want) and got == want
-
-
-def _build_multi_all(tokenizer: Any, length: int, depth: float, rng: random.Random) -> Prompt:
-    n = rng.choice((2, 3))
-    values = _distinct(lambda: _digits(rng, 4, 6), n)
-    draws = sorted([depth, *(rng.random() for _ in range(n - 1))])
-    order = ORDINALS[:n]
-    listed = " and ".join(order) if n == 2 else f"{order[0]}, {order[1]} and {order[2]}"
-    question = rng.choice(MULTI_ALL_QUESTIONS).format(list=listed)
-    needles = [" " + MULTI_ALL_NEEDLE.format(o=o, v=v) for o, v in zip(order, values, strict=True)]
-    first = draws.index(depth)  # keys are numbered in text order; the one at `depth` is needle_token's
-
-    def places(bounds: list[int], budget: int) -> list[int]:
-        return [_nearest(bounds, d * budget) for d in draws]
-
-    ids, starts = _layout(tokenizer, "multi-needle-all", length, prompts.INTRO, needles, " " + question,
-                          "landmark", places, rng)  # fmt: skip
-    return Prompt(ids, " ".join(values), starts[first])
-
-
 # ---- code-needle: a constant in Python source ----
 
 CODE_NAMES = ("SECRET_KEY", "BUILD_NUMBER", "LICENSE_CODE", "MAGIC_VALUE", "DEPLOY_TOKEN", "SESSION_SEED")
@@ -329,10 +212,10 @@ CODE_INTROS = (
     "Below is a long Python file. Remember the value of the constant defined in it.",
 )
 CODE_NEEDLE = '\n{k} = "{v}"  # {k} is {v}'
-CODE_QUESTIONS = (
-    "\n\nWhat is the value of {k} in the code above? {k} is",
-    "\n\nQuestion: what is {k} set to? Answer: {k} is",
-    "\n\nIn the code above, the constant {k} equals",
+CODE_QUESTIONS = (  # each ends where the code's own "NAME =" would: the model copies the value
+    "\n\nQuestion: what is the value of {k} in the code above? Answer: {k} =",
+    "\n\n# Question: what is {k} set to?\n# Answer: {k} =",
+    "\n\n# In the code above,\n{k} =",
 )
 
 
@@ -419,58 +302,26 @@ def _build_multi_one(tokenizer: Any, length: int, depth: float, rng: random.Rand
     return Prompt(ids, values[0], starts[0])
 
 
-# ---- variable-tracking: RULER-style chain of assignments ----
-
-VT_QUESTIONS = (
-    "What is the value of VAR {v}? VAR {v} =",
-    "Question: what number does VAR {v} hold? Answer: VAR {v} =",
-    "Follow the assignments above. The value of VAR {v} is",
-)
-
-
-def _var_name(rng: random.Random) -> str:
-    return "".join(rng.choice(string.ascii_uppercase) for _ in range(3))
-
-
-def _build_vt(tokenizer: Any, length: int, depth: float, rng: random.Random) -> Prompt:
-    hops = rng.choice((2, 3))
-    names = _distinct(lambda: _var_name(rng), hops + 1)
-    value = _digits(rng, 4, 6)
-    links = [f" VAR {names[0]} = {value}."] + [f" VAR {b} = VAR {a}." for a, b in zip(names, names[1:], strict=False)]
-    later = sorted(rng.random() for _ in range(hops))
-
-    def places(bounds: list[int], budget: int) -> list[int]:
-        first = _nearest(bounds, depth * budget)
-        return [first, *(_nearest(bounds, first + d * (budget - first)) for d in later)]
-
-    ids, starts = _layout(tokenizer, "variable-tracking", length, prompts.INTRO, links,
-                          " " + rng.choice(VT_QUESTIONS).format(v=names[-1]), "landmark", places, rng)  # fmt: skip
-    return Prompt(ids, value, starts[0])
-
-
-NEW_FAMILIES: dict[str, SplitFamily] = {
+NEW_FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
-        SplitFamily("word-passkey", _build_word_passkey, new_tokens=8, exact=True, split=TUNING),
-        SplitFamily("list-lookup", _build_list, new_tokens=10, exact=True, split=TUNING),
-        SplitFamily("multi-needle-all", _build_multi_all, new_tokens=24, exact=True, split=TUNING,
-                    scorer=score_in_order),  # fmt: skip
-        SplitFamily("code-needle", _build_code, new_tokens=10, exact=True, split=HELDOUT),
-        SplitFamily("serial-needle", _build_serial, new_tokens=20, exact=True, split=HELDOUT),
-        SplitFamily("question-first", _build_question_first, new_tokens=10, exact=True, split=HELDOUT),
-        SplitFamily("multi-needle-one", _build_multi_one, new_tokens=10, exact=True, split=HELDOUT),
-        SplitFamily("variable-tracking", _build_vt, new_tokens=10, exact=True, split=HELDOUT),
+        Family("word-passkey", _build_word_passkey, new_tokens=8, exact=True, split=TUNING),
+        Family("list-lookup", _build_list, new_tokens=10, exact=True, split=TUNING),
+        Family("code-needle", _build_code, new_tokens=10, exact=True, split=HELDOUT),
+        Family("serial-needle", _build_serial, new_tokens=20, exact=True, split=HELDOUT),
+        Family("question-first", _build_question_first, new_tokens=10, exact=True, split=HELDOUT),
+        Family("multi-needle-one", _build_multi_one, new_tokens=10, exact=True, split=HELDOUT),
     )
 }
 
 
-FAMILIES: dict[str, SplitFamily] = NEW_FAMILIES  # families.py adds these to its FAMILIES
+FAMILIES: dict[str, Family] = NEW_FAMILIES  # families.py adds these to its FAMILIES
 
 
 def wording_digest() -> str:
     """A hash of these families' wording tables and the code haystack (which depends on the Python version)."""
     tables = [NAMES, PROSE_INTROS, ADJECTIVES, WORDS, WORD_NEEDLES, LIST_INTROS, LIST_LABELS, LIST_NEEDLE,
-              LIST_QUESTIONS, ORDINALS, MULTI_ALL_NEEDLE, MULTI_ALL_QUESTIONS, CODE_NAMES, CODE_INTROS, CODE_NEEDLE,
+              LIST_QUESTIONS, CODE_NAMES, CODE_INTROS, CODE_NEEDLE,
               CODE_QUESTIONS, DEVICES, SERIAL_NEEDLES, PETS, [f[:3] for f in QF_FACTS], COLOURS, MULTI_ONE_NEEDLES,
-              VT_QUESTIONS, generated_rows(50)]  # fmt: skip
+              generated_rows(50)]  # fmt: skip
     return hashlib.sha1((json.dumps(tables) + "\n".join(code_lines())).encode()).hexdigest()[:16]

@@ -251,8 +251,22 @@ def selected_blocks(
         return chosen if seen == nb or trim else F.pad(chosen, (0, nb - seen))
 
 
+def block_masks(current: torch.Tensor, n_blocks: int, gate: GateOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """(forced, excluded) bool [..., Nq, n_blocks] for each query's current block (current: [Nq] or [B, 1, Nq]):
+    forced = the current block and the sink / local blocks before it (attended without gating); excluded = every
+    block that is no gated candidate (forced, or not earlier than the current block)."""
+    blk = torch.arange(n_blocks, device=current.device)
+    earlier = blk < current[..., None]  # [..., Nq, nb]
+    forced = blk == current[..., None]
+    if gate.sink_blocks:
+        forced = forced | (earlier & (blk < gate.sink_blocks))
+    if gate.local_blocks:
+        forced = forced | (earlier & (blk >= current[..., None] - gate.local_blocks))
+    return forced, ~(earlier & ~forced)
+
+
 def choose_blocks(
-    current: torch.Tensor,
+    current: torch.Tensor | None,
     n_blocks: int,
     scores: Callable[[], torch.Tensor],
     *,
@@ -260,6 +274,7 @@ def choose_blocks(
     top_k: int,
     gate: GateOptions,
     first_block: int = 0,
+    masks: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The MoBA selection rule, given each query's current block and its gate scores.
 
@@ -270,44 +285,35 @@ def choose_blocks(
     bool [B, Hq, Nq, n_blocks]: the current block, forced sink / local blocks before it, and the top_k - 1
     best-scoring other earlier blocks. Shared by plain MoBA and DCA (whose scores mix query variants);
     `gate.pooling` is already in the scores. first_block: no query's current block is below it (lets the
-    exclusion mask skip the columns that are candidates for every row; 0 masks all).
+    exclusion mask skip the columns that are candidates for every row; 0 masks all). masks: `block_masks` of
+    these arguments, when the caller keeps them (a decode step's are the same for a whole block of steps; current
+    may then be None).
     """
-    sink_blocks, local_blocks = gate.sink_blocks, gate.local_blocks
-    blk = torch.arange(n_blocks, device=current.device)
-    earlier = blk < current[..., None]  # [..., Nq, nb]
-    forced = blk == current[..., None]
-    if sink_blocks:
-        forced = forced | (earlier & (blk < sink_blocks))
-    if local_blocks:
-        forced = forced | (earlier & (blk >= current[..., None] - local_blocks))
+    forced, excluded = block_masks(current, n_blocks, gate) if masks is None else masks
     selected = forced.expand(*batch_heads, *forced.shape[-2:])
     n_pick = min(top_k - 1, n_blocks)
     if n_pick <= 0:
-        return selected
+        return selected if masks is None else selected.clone()  # the caller's kept masks stay untouched
     # a NaN score (a NaN key pooled into the block, or a NaN query) ranks first, as in torch.max / topk, and its
     # block is picked: the row then attends the NaN and shows it instead of hiding it behind other blocks
     gated = scores()
     # -inf marks the blocks a row may not pick: a candidate scoring -inf (an inf key pooled into it) ranks last
     # among candidates instead, so top_k >= the blocks still attends every earlier block (clamp keeps NaN)
     gated.clamp_(min=torch.finfo(gated.dtype).min)
-    excluded = ~(earlier & ~forced)
     # columns between the sink blocks and the first query's local window are candidates for every row: only the
     # columns around them need the mask (a long prefill's slice then masks a few columns, not all of them)
-    first = max(0, first_block - local_blocks)
-    if sink_blocks:
-        gated[..., :sink_blocks].masked_fill_(excluded[..., :sink_blocks], float("-inf"))
+    first = max(0, first_block - gate.local_blocks)
+    if gate.sink_blocks:
+        gated[..., : gate.sink_blocks].masked_fill_(excluded[..., : gate.sink_blocks], float("-inf"))
     gated[..., first:].masked_fill_(excluded[..., first:], float("-inf"))
-    picked = torch.zeros_like(gated, dtype=torch.bool)
     if n_pick <= _MAX_PASS_PICKS:  # a max pass per pick beats topk for the paper's top_k = 3 (1.7x on CPU)
-        own = current[..., None].expand(*gated.shape[:-1], 1)
+        # each pass sets its row's best candidate to -inf; a row out of candidates sets an excluded (-inf) entry
+        # again, picking nothing: afterwards the picked blocks are the candidates at -inf
         for _ in range(n_pick):
-            best, index = gated.max(dim=-1, keepdim=True)
-            gated.scatter_(-1, index, float("-inf"))
-            # a row out of candidates marks its own block instead (selected anyway)
-            picked.scatter_(-1, torch.where(best != float("-inf"), index, own), True)
-    else:
-        top = gated.topk(n_pick, dim=-1, sorted=False)
-        picked.scatter_(-1, top.indices, top.values != float("-inf"))
+            gated.scatter_(-1, gated.max(dim=-1, keepdim=True).indices, float("-inf"))
+        return selected | (gated.isneginf() & ~excluded)
+    top = gated.topk(n_pick, dim=-1, sorted=False)
+    picked = torch.zeros_like(gated, dtype=torch.bool).scatter_(-1, top.indices, top.values != float("-inf"))
     return selected | picked
 
 

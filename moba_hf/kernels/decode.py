@@ -19,6 +19,7 @@ KV head's query heads selected is copied once per head, then one masked attentio
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import warnings
 from typing import Protocol
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 
 from .common import (
     GateOptions,
-    all_finite,
+    block_masks,
     check_inputs,
     check_moba_args,
     choose_blocks,
@@ -41,6 +42,9 @@ from .common import (
 )
 from .workers import run_single_threaded
 
+# `block_masks` of rows of one length, by (blocks, queries, position, block size, sink, local, device): a decode
+# step's are the same for every step inside a block
+_masks_by_position: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 # the gathered blocks of a CPU step go into buffers kept per thread: a fresh allocation of a few MiB comes back
 # from the OS page by page at every step (page faults cost as much as a dense pass over an 8K cache)
@@ -102,7 +106,7 @@ def _show(t: torch.Tensor) -> str:
 def decode_selection(
     q: torch.Tensor,
     block_keys: torch.Tensor,
-    lengths: torch.Tensor,
+    lengths: torch.Tensor | int,
     *,
     block_size: int,
     top_k: int,
@@ -110,21 +114,35 @@ def decode_selection(
 ) -> torch.Tensor:
     """Blocks each query attends: bool [B, Hq, Nq, n_blocks] (n_blocks = block_keys.shape[2]).
 
-    q: [B, Hq, Nq, D], the last Nq tokens of row b's sequence of `lengths[b]` tokens (lengths: [B] long);
+    q: [B, Hq, Nq, D], the last Nq tokens of row b's sequence of `lengths[b]` tokens (lengths: [B] long, or one
+    int for rows of one length);
     block_keys: [B, Hkv, n_blocks, D] pooled keys (2D for "mean+max" and "bound", see `pooled_keys`), covering
     every row's blocks (later entries are never selected: they lie after each query's own block).
     """
     b, hq, nq, d = q.shape
     hkv, nb = block_keys.shape[1], block_keys.shape[2]
-    position = lengths[:, None] - nq + torch.arange(nq, device=q.device)  # [B, Nq] in each row's sequence
-    current = (position // block_size)[:, None]  # [B, 1, Nq]
+    masks = None
+    if isinstance(lengths, int):  # every row alike: current [Nq], and the masks of the last steps' blocks kept
+        # one query: its block fixes the masks; several: their positions do
+        where = (lengths - 1) // block_size if nq == 1 else lengths
+        key = (nb, nq, where, block_size, gate.sink_blocks, gate.local_blocks, q.device)
+        masks = _masks_by_position.get(key)
+        if masks is None:
+            if len(_masks_by_position) > 64:
+                _masks_by_position.clear()
+            current = torch.arange(lengths - nq, lengths, device=q.device) // block_size
+            masks = _masks_by_position[key] = block_masks(current, nb, gate)
+        current = None
+    else:
+        position = lengths[:, None] - nq + torch.arange(nq, device=q.device)  # [B, Nq] in each row's sequence
+        current = (position // block_size)[:, None]  # [B, 1, Nq]
 
     def scores() -> torch.Tensor:  # one matmul: [B, Hkv, g * Nq, W] @ [B, Hkv, W, nb], rows (query head, query)
         gate_q = gate_queries(q.to(block_keys.dtype).reshape(b, hkv, -1, d), gate.pooling)
         return (gate_q @ block_keys.transpose(-1, -2)).view(b, hq, nq, nb)
 
     with torch.no_grad():
-        return choose_blocks(current, nb, scores, batch_heads=(b, hq), top_k=top_k, gate=gate)
+        return choose_blocks(current, nb, scores, batch_heads=(b, hq), top_k=top_k, gate=gate, masks=masks)
 
 
 def moba_decode(
@@ -202,7 +220,8 @@ def _windows(t: torch.Tensor, index: torch.Tensor, width: int, dtype: torch.dtyp
     """Rows index .. index + width - 1 of t viewed as [B * Hkv * Nk, D], for every entry of `index`, in `dtype`:
     [len(index), width * D], in this thread's workspace `slot` (valid until the next call with that slot)."""
     d = t.shape[-1]
-    if not t.is_contiguous():
+    # a strided cache has no overlapping-rows view; out= has no backward: a plain gather of every position
+    if not t.is_contiguous() or (torch.is_grad_enabled() and t.requires_grad):
         positions = (index[:, None] + torch.arange(width, device=index.device)).flatten()
         return t.reshape(-1, d).index_select(0, positions).view(-1, width * d).to(dtype)
     flat = t.view(-1)  # overlapping windows as rows of one strided view: one gather, one index entry per window
@@ -248,19 +267,18 @@ def moba_decode_cache(
 
 
 def _decode(q, cache, block_keys, block_size, top_k, scale, gate, starts, return_selection):
-    b, nk = q.shape[0], cache.shape[2]
+    nk = cache.shape[2]
     scale = q.shape[3] ** -0.5 if scale is None else scale
-    if starts is None:
-        starts = torch.zeros(b, dtype=torch.long, device=q.device)
-        longest = nk
+    if starts is None:  # rows of one length: index arithmetic on Python ints, a few ops fewer per step
+        lengths = longest = nk
     else:
         starts = starts.to(device=q.device, dtype=torch.long)
-        longest = nk - int(starts.min())
+        lengths, longest = nk - starts, nk - int(starts.min())
     needed = -(-longest // block_size)
     if block_keys.shape[2] < needed:
         raise ValueError(f"block_keys has {block_keys.shape[2]} blocks, the sequences need {needed}")
     selected = decode_selection(
-        q, block_keys[:, :, :needed], nk - starts, block_size=block_size, top_k=top_k, gate=gate
+        q, block_keys[:, :, :needed], lengths, block_size=block_size, top_k=top_k, gate=gate
     )  # [B, Hq, Nq, nb]
     if isinstance(cache, DenseCache) and _reads_in_place(q, cache):
         # no row selects more than its own block, the forced ones and top_k - 1 gated ones
@@ -283,15 +301,22 @@ def _reads_in_place(q: torch.Tensor, cache: DenseCache) -> bool:
     )
 
 
-def _block_windows(blocks: torch.Tensor, starts: torch.Tensor, block_size: int, nk: int):
+def _block_windows(blocks: torch.Tensor, starts: torch.Tensor | None, block_size: int, nk: int):
     """Each block is read as one window of W = min(block_size, Nk) contiguous cache positions; a partial last
     block's window is shifted left to end at Nk, and the window's keys before its block are masked.
-    blocks: block indices [B, ...]; starts: [B] viewed to broadcast against them. Returns each window's first
-    cache position, the offset of its block's first key inside it (0 unless shifted), and W."""
+    blocks: block indices [B, ...]; starts: [B] viewed to broadcast against them, or None (every row from 0).
+    Returns each window's first cache position, the offset of its block's first key inside it (0 unless shifted),
+    and W."""
     width = min(block_size, nk)
-    block_start = blocks * block_size + starts  # cache position of each block's first key
+    block_start = blocks * block_size  # cache position of each block's first key
+    if starts is not None:
+        block_start = block_start + starts
     win_start = block_start.clamp(max=nk - width)
     return win_start, block_start - win_start, width
+
+
+def _view(t: torch.Tensor | None, *shape: int) -> torch.Tensor | None:
+    return None if t is None else t.view(shape)
 
 
 def _attend_in_place(q, k, v, selected, slots, starts, block_size, scale):
@@ -307,10 +332,11 @@ def _attend_in_place(q, k, v, selected, slots, starts, block_size, scale):
     n = b * hq * nq
     # each row's selected blocks first (in any order): [B, Hq, Nq, S]; slots past a row's count are masked
     used, blk = selected.to(torch.int8).topk(slots, dim=-1, sorted=False)
-    win_start, first_valid, width = _block_windows(blk, starts.view(b, 1, 1, 1), block_size, nk)
+    win_start, first_valid, width = _block_windows(blk, _view(starts, b, 1, 1, 1), block_size, nk)
     head_row, offset, crow, zeros = _in_place_indices(b, hq, hkv, width, slots, n, q.dtype, q.device)
     cols = ((head_row * nk + win_start)[..., None] + offset).view(n, -1)  # rows of k.view(-1, D)
-    masked = (used == 0)[..., None] | (offset < first_valid[..., None])  # [B, Hq, Nq, S, W]
+    first_valid.masked_fill_(used == 0, width)  # a slot a row does not use: every key masked
+    masked = offset < first_valid[..., None]  # [B, Hq, Nq, S, W]
     if nq > 1:  # causal inside the newest block (a single query is the last key: it sees every key)
         q_pos = nk - nq + torch.arange(nq, device=q.device)
         masked |= win_start[..., None] + offset > q_pos[:, None, None]
@@ -320,7 +346,9 @@ def _attend_in_place(q, k, v, selected, slots, starts, block_size, scale):
     scores = torch.sparse.sampled_addmm(pattern, q.reshape(n, d), keys.t(), beta=0.0).values().view(n, -1)
     probs = scores.mul_(scale).masked_fill_(masked, float("-inf")).softmax(dim=-1)
     out = F.embedding_bag(cols, values, per_sample_weights=probs, mode="sum")
-    if not all_finite(out):  # a NaN / inf value in a slot a row does not attend gave 0 * NaN: exactly, as the rule
+    # a NaN / inf value in a slot a row does not attend gave 0 * NaN: exactly, as the rule (a finite sum: all
+    # finite; one huge enough to overflow takes the exact path too, which gives the same result)
+    if not math.isfinite(out.sum().item()):
         valid = ~masked
         out = masked_matmul(probs[:, None], valid[:, None], values[cols])[:, 0]
     return out.view(b, hq, nq, d)
@@ -377,7 +405,7 @@ def _attend_windows(q, cache, selected, starts, block_size, scale):
     union = by_head.any(dim=2)  # [B, Hkv, nb]
     n_union = int(union.sum(-1).max())
     in_union, blk = union.to(torch.int8).topk(n_union, dim=-1, sorted=False)  # [B, Hkv, U]; pads: in_union 0
-    win_start, first_valid, width = _block_windows(blk, starts.view(b, 1, 1), block_size, nk)
+    win_start, first_valid, width = _block_windows(blk, _view(starts, b, 1, 1), block_size, nk)
     dtype = gate_dtype(q.dtype)
     k_sel, v_sel = cache.windows(win_start, width, dtype)  # [B, Hkv, U*W, D]
 

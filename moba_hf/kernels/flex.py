@@ -117,19 +117,25 @@ def moba_block_mask(
     block_size: int,
     top_k: int,
     gate: GateOptions = DEFAULT_GATE,
+    whole_tiles: bool = False,
 ) -> BlockMask:
-    """The FlexAttention BlockMask of MoBA for these queries and keys (queries = the last Nq positions)."""
+    """The FlexAttention BlockMask of MoBA for these queries and keys (queries = the last Nq positions).
+    whole_tiles: for queries and keys padded at the end to whole tiles (`_flex_cpu`)."""
     b, hq, nq, _ = q.shape
     nk = k.shape[2]
     picks, tiles = _selection(q, k, block_size, top_k, gate)
     kv_num = tiles.sum(dim=-1, dtype=torch.int32)
     kv_idx = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    lengths = (nq, nk)
+    if whole_tiles:  # padded queries pick nothing; padded keys lie after every real query (masked causally)
+        picks = torch.nn.functional.pad(picks, (0, 0, 0, -nq % _Q_TILE), value=-1)
+        lengths = (nq + -nq % _Q_TILE, nk + -nk % _kv_tile(block_size))
     return BlockMask.from_kv_blocks(
         kv_num,
         kv_idx,
         BLOCK_SIZE=(_Q_TILE, _kv_tile(block_size)),
         mask_mod=_mask_mod(picks, block_size, nk - nq, top_k),
-        seq_lengths=(nq, nk),
+        seq_lengths=lengths,
     )
 
 
@@ -166,7 +172,15 @@ def moba_attention_flex(
         raise ValueError(
             "backend 'flex' has no CPU backward: use backend 'torch' (or 'auto') when gradients are needed"
         )
+    cpu = q.device.type == "cpu"
     with torch.no_grad():
-        mask = moba_block_mask(q, k, **moba)
-    out = _flex(q.device.type)(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    return out.to(q.dtype)
+        mask = moba_block_mask(q, k, **moba, whole_tiles=cpu)
+    nq, gqa = q.shape[2], q.shape[1] != k.shape[1]
+    if cpu:
+        # Inductor's CPU kernel reads whole tiles: past the last query or key it reads memory outside the tensors,
+        # and a NaN there turns a masked-out weight of 0 into NaN. Zeros pad both to whole tiles (masked out).
+        q_tile, kv_tile = mask.BLOCK_SIZE
+        q = torch.nn.functional.pad(q, (0, 0, 0, -nq % q_tile))
+        k, v = (torch.nn.functional.pad(t, (0, 0, 0, -t.shape[2] % kv_tile)) for t in (k, v))
+    out = _flex(q.device.type)(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+    return out[:, :, :nq].to(q.dtype)
