@@ -15,7 +15,7 @@ import json
 import shutil
 
 import pytest
-from conftest import engine_kwargs, hf_generate, logprob_gap, model_path, prompt_ids, run_engine
+from engines import engine_kwargs, hf_generate, logprob_gap, model_path, prompt_ids, run_engine
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ import sys
 import urllib.request
 
 import pytest
-from conftest import (
+from engines import (
     ENGINE_ENV,
     HERE,
     MAX_MODEL_LEN,

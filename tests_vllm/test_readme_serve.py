@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import HERE, model_path
+from engines import HERE, model_path
 
 pytestmark = pytest.mark.slow
 

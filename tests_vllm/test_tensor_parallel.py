@@ -19,7 +19,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import model_path, prompt_ids, run_engine
+from engines import model_path, prompt_ids, run_engine
 from tiny_model import write_tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -31,7 +31,8 @@ BLOCK, TOP_K = 64, 2
 MOBA = {"block_size": BLOCK, "top_k": TOP_K, "full_attn_layers": 1, "decode": "moba"}
 CONFIGS = {"moba": MOBA, "dca_moba": {**MOBA, "dca": {"pretraining_length": 512}}}
 SERVED = "moba_hf: vLLM attention runs"
-# KV cache per rank (conftest's VLLM_CPU_KVCACHE_SPACE, whole GiB, would override it): three workers run at once
+# KV cache per rank (engines.ENGINE_ENV's VLLM_CPU_KVCACHE_SPACE, whole GiB, would override it): three workers
+# run at once
 KV_CACHE_BYTES = 128 << 20
 # TP=2 against TP=1, prompt and step logprobs. Both runs use the same float32 kernels on the same heads; TP=2
 # adds an all-reduce after each row-parallel projection (o_proj and down_proj: 4 in 2 layers), which adds the two

@@ -1,13 +1,12 @@
-"""The plugin's pieces without an engine: paged MoBA over vLLM's CPU cache layout, the startup refusals."""
+"""Paged MoBA and DCA without an engine: over vLLM's CPU cache layout, written by vLLM's own cache op, against
+the kernels per sequence; the startup check of that layout."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import MAX_MODEL_LEN, model_path
 from vllm import _custom_ops as ops
 
 from moba_hf import MobaConfig, causal_attention, moba_attention
@@ -295,265 +294,16 @@ def test_dca_deltas_follow_the_sequence_positions():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("isa", ["vec", "vec16"])
-def test_cache_layout_check_reads_vllm_layout(isa, dtype):
-    backend.check_cache_layout(isa, dtype, 128, 64)
+def test_cache_layout_check_reads_vllm_layout(isa, dtype, monkeypatch):
+    backend.check_cache_layout(isa, dtype, 128, 64)  # vLLM's own op writes a layout the plugin reads back
+    # the check compares what it reads with what vLLM wrote: a reader with the page's positions reversed is refused
+    real = backend.cache_views
+    monkeypatch.setattr(backend, "cache_views", lambda kv_cache: (real(kv_cache)[0].flip(-1), real(kv_cache)[1]))
+    with pytest.raises(settings.MobaSetupError, match=f"layout for isa={isa!r}"):
+        backend.check_cache_layout(isa, dtype, 128, 64)
 
 
 @pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="needs a CPU with AMX")
 def test_cache_layout_check_refuses_amx_layout():
     with pytest.raises(settings.MobaSetupError, match="layout for isa='amx'"):
         backend.check_cache_layout("amx", torch.bfloat16, 128, 64)
-
-
-# --- configuration and refusals (the same function the engine runs when it builds its attention layers) ------
-def vllm_config(model: str | None = None, **kwargs):
-    from vllm.engine.arg_utils import EngineArgs
-
-    args = dict(model=model or model_path(), dtype="float32", max_model_len=MAX_MODEL_LEN, enforce_eager=True)
-    return EngineArgs(**{**args, **kwargs}).create_engine_config()
-
-
-def test_no_moba_config_leaves_vllm_alone(monkeypatch):
-    monkeypatch.delenv(settings.ENV, raising=False)
-    assert backend._setup(vllm_config()) is None
-
-
-def test_sources_and_precedence(monkeypatch):
-    monkeypatch.setenv(settings.ENV, "training-free")
-    config, dense, dca = backend._setup(vllm_config())
-    preset = MobaConfig.preset("training-free")
-    assert config == preset and dense == preset.full_layer_set(30) and dca is None
-    config, dense, _ = backend._setup(vllm_config(hf_overrides={"moba_config": {"block_size": 256, "top_k": 2}}))
-    assert config == MobaConfig(block_size=256, top_k=2) and dense == frozenset()
-
-
-@pytest.mark.parametrize("name", ["long_doc", "chat", "code"])
-def test_serving_configs(name, monkeypatch):
-    monkeypatch.setenv(settings.ENV, str(ROOT / "configs" / f"serving_{name}.toml"))
-    config, dense, _ = backend._setup(vllm_config())
-    expected = {
-        "long_doc": (MobaConfig(block_size=4096, top_k=4, full_attn_layers=2, decode="full"), {28, 29}),
-        "chat": (MobaConfig(block_size=2048, top_k=3, decode="full"), set()),
-        "code": (MobaConfig(block_size=8192, top_k=5, decode="full"), set()),
-    }[name]
-    assert (config, dense) == expected
-
-
-def model_dir(tmp_path, **config):
-    """A config-only checkpoint directory (the tokenizer of SmolLM2) for configuration checks."""
-    import json
-    import shutil
-
-    source = Path(model_path())
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(source / name, tmp_path / name)
-    base = json.loads((source / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**base, **config}))
-    return str(tmp_path)
-
-
-REFUSALS = {
-    "bad-moba-config": (dict(hf_overrides={"moba_config": {"block_size": 0}}), "block_size must be an integer >= 1"),
-    "unknown-key": (dict(hf_overrides={"moba_config": {"blok_size": 64}}), "unknown MoBA config keys"),
-    "dense-layer-out-of-range": (
-        dict(hf_overrides={"moba_config": {"full_attn_layer_ids": [30]}}),
-        "outside the model's layers",
-    ),
-    "fp8-kv-cache": (dict(hf_overrides={"moba_config": {}}, kv_cache_dtype="fp8"), "not readable by the MoBA"),
-}
-
-
-@pytest.mark.parametrize("case", list(REFUSALS))
-def test_refusals(case, monkeypatch):
-    monkeypatch.delenv(settings.ENV, raising=False)
-    kwargs, message = REFUSALS[case]
-    with pytest.raises(settings.MobaSetupError, match=message):
-        backend._setup(vllm_config(**kwargs))
-
-
-def test_refuses_unknown_preset(monkeypatch):
-    monkeypatch.setenv(settings.ENV, "no-such-preset")
-    with pytest.raises(settings.MobaSetupError, match="neither a preset"):
-        backend._setup(vllm_config())
-
-
-def test_refuses_server_file_limits(monkeypatch, tmp_path):
-    path = tmp_path / "server.toml"
-    path.write_text("block_size = 256\ntop_k = 3\nmax_context_tokens = 2048\n")
-    monkeypatch.setenv(settings.ENV, str(path))
-    with pytest.raises(settings.MobaSetupError, match="max_context_tokens=2048"):
-        backend._setup(vllm_config())
-
-
-@pytest.mark.parametrize("spelling", ["fp16", "float16", "half", "FP16"])
-def test_server_file_kv_cache_dtype_spellings_match_vllm_flags(spelling, monkeypatch, tmp_path):
-    path = tmp_path / "server.toml"
-    path.write_text(f'[attention]\ntype = "moba"\nblock_size = 256\n[attention.kv_cache]\ndtype = "{spelling}"\n')
-    monkeypatch.setenv(settings.ENV, str(path))
-    assert backend._setup(vllm_config(dtype="float16")) is not None  # the KV cache follows --dtype (auto)
-    assert backend._setup(vllm_config(dtype="half", kv_cache_dtype="float16")) is not None
-
-
-def test_kv_cache_dtype_refusal_names_flags_vllm_accepts(monkeypatch, tmp_path):
-    from typing import get_args
-
-    from vllm.config.cache import CacheDType
-    from vllm.config.model import ModelDType
-
-    path = tmp_path / "server.json"
-    path.write_text('{"block_size": 256, "kv_cache_dtype": "bf16"}')
-    monkeypatch.setenv(settings.ENV, str(path))
-    with pytest.raises(settings.MobaSetupError, match="asks for kv_cache_dtype='bfloat16'") as refused:
-        backend._setup(vllm_config())  # float32 model, cache auto
-    flags = dict(re.findall(r"(--dtype|--kv-cache-dtype) ([\w.]+)", str(refused.value).split("start vLLM with")[1]))
-    assert flags["--dtype"] == "bfloat16" and flags["--dtype"] in get_args(ModelDType)
-    assert flags["--kv-cache-dtype"] in get_args(CacheDType)
-    assert backend._setup(vllm_config(dtype=flags["--dtype"], kv_cache_dtype=flags["--kv-cache-dtype"])) is not None
-
-
-def test_refuses_unsupported_architecture(monkeypatch, tmp_path):
-    monkeypatch.setenv(settings.ENV, "training-free")
-    path = model_dir(tmp_path, model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=None)
-    message = "supports LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM; this checkpoint is MistralForCausalLM"
-    with pytest.raises(settings.MobaSetupError, match=message):
-        backend._setup(vllm_config(path))
-
-
-def test_refuses_max_model_len_past_the_rope_table(monkeypatch, tmp_path):
-    monkeypatch.delenv(settings.ENV, raising=False)
-    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # vLLM's own length check comes first otherwise
-    path = model_dir(tmp_path, max_position_embeddings=2048)
-    message = "max_model_len=4096 needs RoPE positions up to 4095, but vLLM's RoPE table covers max_position_embeddings"
-    with pytest.raises(settings.MobaSetupError, match=re.escape(message)):
-        backend._setup(vllm_config(path, hf_overrides={"moba_config": {"block_size": 128}}))
-    # raising the table through --hf-overrides is accepted
-    raised = {"moba_config": {"block_size": 128}, "max_position_embeddings": 4096}
-    assert backend._setup(vllm_config(path, hf_overrides=raised)) is not None
-
-
-def test_refuses_sliding_window(monkeypatch, tmp_path):
-    monkeypatch.setenv(settings.ENV, "training-free")
-    path = model_dir(
-        tmp_path, model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=True,
-        sliding_window=1024, max_window_layers=0,
-    )  # fmt: skip
-    with pytest.raises(settings.MobaSetupError, match="sliding"):
-        backend._setup(vllm_config(path))
-
-
-# --- Dual Chunk Attention: where the engine finds it, and what it refuses ------------------------------------------
-QWEN_DCA = {"chunk_size": 1023, "local_size": 127}  # c = 1024, s = 896 (the transformers path's mapping)
-LLAMA3_ROPE = {
-    "rope_type": "llama3", "rope_theta": 100000.0, "factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 4096,
-}  # fmt: skip
-
-
-def qwen_dir(tmp_path, **config):
-    return model_dir(
-        tmp_path, model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=False,
-        sliding_window=None, **config,
-    )  # fmt: skip
-
-
-def test_dca_from_the_moba_config(monkeypatch):
-    from transformers import AutoConfig
-
-    monkeypatch.delenv(settings.ENV, raising=False)
-    moba = {"sparse": False, "dca": {"pretraining_length": 1024, "temperature": True}}
-    setup = backend._setup(vllm_config(hf_overrides={"moba_config": moba}))
-    assert setup.dca.params == DcaParams(pretraining_length=1024, chunk_size=896, temperature=True)
-    model = AutoConfig.from_pretrained(model_path())
-    head_dim = model.hidden_size // model.num_attention_heads
-    want = 1.0 / model.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim)
-    torch.testing.assert_close(setup.dca.inv_freq, want)
-    moba = {"block_size": 128, "top_k": 2, "dca": {"pretraining_length": 1024}}
-    assert backend._setup(vllm_config(hf_overrides={"moba_config": moba})).dca.params.chunk_size == 896
-
-
-def test_qwen_dual_chunk_attention_config_turns_dense_dca_on(monkeypatch, tmp_path):
-    monkeypatch.delenv(settings.ENV, raising=False)
-    path = qwen_dir(tmp_path, dual_chunk_attention_config=QWEN_DCA)
-    config, dense, dca = backend._setup(vllm_config(path))
-    assert config == MobaConfig(sparse=False) and dca.params == DcaParams(pretraining_length=1024, chunk_size=896)
-    off = backend._setup(vllm_config(path, hf_overrides={"moba_config": {"block_size": 128, "dca": False}}))
-    assert off.dca is None and off.config.sparse
-
-
-def test_dca_accepts_llama3_rope(monkeypatch, tmp_path):
-    monkeypatch.delenv(settings.ENV, raising=False)
-    path = model_dir(tmp_path, rope_scaling=LLAMA3_ROPE)
-    moba = {"sparse": False, "dca": {"pretraining_length": 1024}}
-    assert backend._setup(vllm_config(path, hf_overrides={"moba_config": moba})).dca is not None
-
-
-def test_dca_past_the_window_with_a_raised_rope_table(monkeypatch):
-    # SmolLM2 (8K window) at 16K: vLLM's RoPE table raised to 16K, DCA's c set explicitly
-    monkeypatch.delenv(settings.ENV, raising=False)
-    moba = {"sparse": False, "dca": {"pretraining_length": 4096, "temperature": True}}
-    overrides = {"max_position_embeddings": 16384, "moba_config": moba}
-    setup = backend._setup(vllm_config(hf_overrides=overrides, max_model_len=16384))
-    assert setup.dca.params == DcaParams(pretraining_length=4096, chunk_size=3584, temperature=True)
-
-
-DENSE_DCA = {"moba_config": {"sparse": False, "dca": True}}
-DCA_REFUSALS = {
-    "rope-yarn": (
-        dict(rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4096}),
-        dict(hf_overrides=DENSE_DCA),
-        "supports the rope types default, llama3; this model's is 'yarn'",
-    ),
-    "rope-linear": (
-        dict(rope_scaling={"rope_type": "linear", "factor": 2.0}),
-        dict(hf_overrides=DENSE_DCA),
-        "this model's is 'linear'",
-    ),
-    "chunk-not-block-multiple": (
-        {},
-        dict(hf_overrides={"moba_config": {"block_size": 128, "dca": {"pretraining_length": 1024, "chunk_size": 900}}}),
-        "chunk_size=900 must be a multiple of the MoBA block_size=128",
-    ),
-    "window-not-block-multiple": (
-        {},
-        dict(
-            hf_overrides={"moba_config": {"block_size": 128, "dca": {"pretraining_length": 1024, "local_window": 100}}}
-        ),
-        "chunk_size=924 must be a multiple of the MoBA block_size=128",
-    ),
-    "max-model-len-past-rope-table": (
-        dict(max_position_embeddings=2048),
-        dict(hf_overrides=DENSE_DCA),
-        "max_model_len=4096 needs RoPE positions up to 4095, but vLLM's RoPE table covers max_position_embeddings=2048",
-    ),
-    "raised-table-moves-c": (
-        {},
-        dict(hf_overrides={**DENSE_DCA, "max_position_embeddings": 16384}, max_model_len=16384),
-        "follows max_position_embeddings, which --hf-overrides raises to 16384; set pretraining_length",
-    ),
-}
-
-
-@pytest.mark.parametrize("case", list(DCA_REFUSALS))
-def test_dca_refusals(case, monkeypatch, tmp_path):
-    monkeypatch.delenv(settings.ENV, raising=False)
-    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # vLLM's own length check comes first otherwise
-    checkpoint, kwargs, message = DCA_REFUSALS[case]
-    path = model_dir(tmp_path, **checkpoint) if checkpoint else None
-    with pytest.raises(settings.MobaSetupError, match=re.escape(message)):
-        backend._setup(vllm_config(path, **kwargs))
-
-
-def test_plain_rope_replaces_dual_chunk_rope():
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.model_executor.layers.rotary_embedding import DualChunkRotaryEmbedding, RotaryEmbedding
-
-    from moba_hf.vllm import register, rope
-
-    register()
-    with set_current_vllm_config(VllmConfig()):
-        rotary = DualChunkRotaryEmbedding(D, D, 4096, 1e4, True, torch.float32, chunk_size=1023, local_size=127)
-        plain = RotaryEmbedding(D, D, 4096, 1e4, True, torch.float32)
-    assert isinstance(rotary, rope.PlainRotaryEmbedding)
-    positions, q, k = torch.arange(7) * 300, torch.randn(7, HQ * D), torch.randn(7, HKV * D)
-    got, want = rotary.forward_native(positions, q.clone(), k.clone()), plain.forward_native(positions, q, k)
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
