@@ -33,9 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_attention import append_rows  # noqa: E402
 
-from moba_hf import MobaConfig  # noqa: E402
-from moba_hf.integration import apply, revert  # noqa: E402
-from moba_hf.integration import dca as dca_hf  # noqa: E402
+from moba_hf import MobaConfig, core  # noqa: E402
+from moba_hf.integration import apply, revert, rope_remap  # noqa: E402
 from moba_hf.models import load  # noqa: E402
 
 
@@ -56,7 +55,7 @@ def verify_dca(model, moba: MobaConfig, chunk_size: int, vocab: int) -> None:
     n = 2 * chunk_size + 2 * moba.block_size
     ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(1))
     errors = []
-    timed = dca_hf.dca_attention
+    timed = core.dca_attention
 
     def checked(q, k, v, **kwargs):
         out = timed(q, k, v, **kwargs)
@@ -66,13 +65,13 @@ def verify_dca(model, moba: MobaConfig, chunk_size: int, vocab: int) -> None:
         errors.append(((out.double() - exact).abs().max().item(), (same_dtype.double() - exact).abs().max().item()))
         return out
 
-    dca_hf.dca_attention = checked
+    core.dca_attention = checked
     try:
         with torch.inference_mode():
             apply(model, moba.replace(top_k=n // moba.block_size + 1, dense_tail=0))
             model(ids, use_cache=False, logits_to_keep=1)
     finally:
-        dca_hf.dca_attention = timed
+        core.dca_attention = timed
         revert(model)
     worst = max(range(len(errors)), key=lambda i: errors[i][0] / (2 * errors[i][1] + 1e-6))
     print(
@@ -127,7 +126,7 @@ def main() -> None:
     )
     if err > 2 * dense_err + 1e-3:
         raise SystemExit("MoBA does not reproduce dense attention; not timing")
-    dca = dca_hf.resolve(moba.dca, model.config, moba.block_size)
+    dca = rope_remap.resolve(moba.dca, model.config, moba.block_size)
     if dca is not None and args.baseline == "dense":
         verify_dca(model, moba, dca.chunk_size, vocab)
 

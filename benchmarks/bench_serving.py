@@ -1,4 +1,4 @@
-"""vLLM serving speed on CPU: vLLM's own attention against the MoBA plugin, in the same run.
+"""vLLM serving speed (CPU, or a GPU with a CUDA vLLM): vLLM's own attention against the MoBA plugin, in the same run.
 
     .venv-vllm/bin/python benchmarks/bench_serving.py --lengths 2048 4096 8192 [--moba '{"block_size": 512}' ...]
     .venv-vllm/bin/python benchmarks/bench_serving.py --lengths 2048 4096 --settings vllm dca dca+moba \

@@ -2,6 +2,9 @@
 
     python benchmarks/gpu_check.py --out results/      # default --out: $OUT if set, else ./gpu_check_out
 
+0. Serve first (where a CUDA vLLM is installed): `bench_serving.py` starts vLLM with the plugin (its Triton
+   backend) and without, checks the plugin's greedy tokens against the transformers path at 2K and times the first
+   token at 2K and 32K (MoBA block 512 / top 3, float32); its output is copied here.
 1. Verify (small case, bf16): forward and q/k/v gradients of every GPU backend vs an fp32 reference, with
    flash-attention's rule: error <= 2x the error of the same attention computed naively in bf16 (+1e-4).
 2. Time (bf16, B=1, Hq=32, Hkv=8, D=128) forward: N=128K (block 512, top 3) and N=1M (block 4096, top 12) vs
@@ -14,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import os
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -93,12 +98,35 @@ def verify(backend: str) -> dict:
     return res
 
 
+SERVE_MOBA = '{"block_size": 512, "top_k": 3}'
+
+
+def serve_check(out_dir: Path, timeout: float) -> list[str]:
+    """`bench_serving.py` on this GPU: the plugin's greedy tokens == the transformers path at 2K, then time to first
+    token of vLLM's own attention and the plugin at 2K and 32K. The report's lines."""
+    if importlib.util.find_spec("vllm") is None:
+        return ["vLLM is not installed: skipped"]
+    script = Path(__file__).with_name("bench_serving.py")
+    command = [sys.executable, str(script), "--lengths", "2048", "32768", "--settings", "vllm", "moba"]
+    command += ["--moba", SERVE_MOBA, "--decode-tokens", "8", "--csv", str(out_dir / "serving.csv")]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        tail = (err.stdout or b"").decode(errors="replace").splitlines()[-20:] if err.stdout else []
+        return [f"timed out after {timeout:.0f} s", "", "```", *tail, "```"]
+    lines = [f"`{' '.join(command[1:])}`: exit {done.returncode}", "", "```", *done.stdout.splitlines()[-30:], "```"]
+    if done.returncode != 0:
+        lines += ["", "```", *done.stderr.splitlines()[-30:], "```"]
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
     p.add_argument("--backends", nargs="+", default=list(GPU_BACKENDS))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--budget", type=float, default=150.0, help="no new case starts after this many seconds")
+    p.add_argument("--serve-timeout", type=float, default=300.0, help="seconds for the serving check (0: skip it)")
     args = p.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -111,6 +139,13 @@ def main() -> None:
     dev = torch.cuda.get_device_name()
     lines += [f"device {dev}, torch {torch.__version__}", ""]
     print(lines[2])
+
+    if args.serve_timeout > 0:  # first: the plugin's GPU backend has never run on a GPU
+        lines += ["## Serving: the vLLM plugin (MoBA block 512 / top 3, float32) vs vLLM's own attention", ""]
+        lines += serve_check(out_dir, args.serve_timeout)
+        print("\n".join(lines[-3:]), flush=True)
+        lines.append("")
+    kernels_start = time.time()  # --budget counts from here
 
     backends = []
     lines += ["## Verification (bf16 vs fp32 reference; rule: error <= 2x PyTorch's bf16 error)", ""]
@@ -138,7 +173,7 @@ def main() -> None:
         "|---|---|---|---|---|---|---|",
     ]
     for n, bs, top_k in CASES:
-        if time.time() - t0 > args.budget:
+        if time.time() - kernels_start > args.budget:
             lines.append(f"| {n} | {bs} | {top_k} | (skipped: over the time budget) | | | |")
             continue
         torch.cuda.empty_cache()
@@ -153,7 +188,7 @@ def main() -> None:
             lines.append(f"| {n} | {bs} | {top_k} | SDPA FAILED: {type(err).__name__}: {str(err)[:100]} | | | |")
             continue
         for name in backends:
-            if time.time() - t0 > args.budget:
+            if time.time() - kernels_start > args.budget:
                 lines.append(f"| {n} | {bs} | {top_k} | {name} (skipped: over the time budget) | | | |")
                 continue
             try:

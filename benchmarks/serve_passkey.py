@@ -118,7 +118,7 @@ def make_plan(
     """Check every option against the model (`hf_config`, its transformers config) and the shortest length that
     holds the passkey prompt; raise ValueError naming the option, its value and what would be valid."""
     from moba_hf import DcaConfig
-    from moba_hf.integration.dca import resolve
+    from moba_hf.integration.rope_remap import resolve
 
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"--max-tokens must be an integer >= 1, got {max_tokens!r}")

@@ -1,4 +1,4 @@
-"""`moba-hf` command line; the vocabulary every subcommand shares is in `cli_common`.
+"""`moba-hf` command line; the vocabulary every subcommand shares is in `cli_args`.
 
 Each feature module adds its subcommands through `add_commands(subparsers)`. Only the module of the command
 being run is imported (the others appear in `moba-hf --help` by name), and command modules import their
@@ -18,7 +18,7 @@ import os
 import sys
 
 # the vocabulary every subcommand shares, importable from here too
-from .cli_common import (  # noqa: F401
+from .cli_args import (  # noqa: F401
     EXIT_INTERRUPTED,
     EXIT_USAGE,
     OUT_ROOT,

@@ -24,7 +24,7 @@ from .dca.config import DcaConfig, check_block_multiple
 from .options import BUILTIN_BACKENDS, POOLINGS, file_bool, file_int, kv_cache_dtype
 
 if TYPE_CHECKING:
-    from .kernels.common import GateOptions
+    from .kernels.selection import GateOptions
 
 DECODE_MODES = ("moba", "full")
 
@@ -123,7 +123,7 @@ class MobaConfig:
     @functools.cached_property  # read by every decode step; the fields it copies are frozen
     def gate(self) -> GateOptions:
         """The gate's pooling and forced blocks, as the kernels take them."""
-        from .kernels.common import GateOptions
+        from .kernels.selection import GateOptions
 
         return GateOptions(self.pooling, self.sink_blocks, self.local_blocks)
 

@@ -12,7 +12,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from .cli_common import UsageError, add_model_args, check_model, parse_lengths, positive_int
+from .cli_args import UsageError, add_model_args, check_model, parse_lengths, positive_int
 
 DEFAULT_SETTING = "moba:training-free"
 MIN_LENGTH = 128  # the passkey prompt alone is ~64 tokens; below this the timing is all overhead

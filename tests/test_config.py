@@ -475,16 +475,16 @@ def test_torch_free_names_agree_with_the_kernels():
     import ast
 
     from moba_hf import kernels, options
-    from moba_hf.kernels import common
+    from moba_hf.kernels import selection
 
     tree = ast.parse(Path(options.__file__).read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert imported <= {"__future__", "re", "typing"}  # the bottom layer: kernels import it
 
-    assert common.POOLINGS is options.POOLINGS
+    assert selection.POOLINGS is options.POOLINGS
     assert tuple(kernels.BACKENDS)[: len(options.BUILTIN_BACKENDS)] == options.BUILTIN_BACKENDS
-    assert MobaConfig(pooling="mean+max").gate == common.GateOptions("mean+max")
+    assert MobaConfig(pooling="mean+max").gate == selection.GateOptions("mean+max")
     with pytest.raises(ValueError, match="backend must be one of 'auto', 'reference'"):
         MobaConfig(backend="cudnn")
 

@@ -9,7 +9,7 @@ from kernel_cases import rounding_tol, selection
 
 from moba_hf.dca import dca_attention, relative_positions, rotate
 from moba_hf.kernels import moba_attention_reference
-from moba_hf.kernels.dca_positions import format_matrix
+from moba_hf.kernels.dual_chunk_positions import format_matrix
 
 # every float64 case here: Nq, Nk <= 50, head_dim <= 8; RoPE moves add about position x eps, hence 2 Nk
 TOL = rounding_tol(torch.float64, 50, 2 * 50, 8)
@@ -158,7 +158,7 @@ def test_dense_dca_inference_path_matches_remapped_reference(case, fused, monkey
 
 
 def test_small_tiles_give_the_same_result(monkeypatch):
-    from moba_hf.kernels import dca as dca_module
+    from moba_hf.kernels import dual_chunk as dca_module
 
     inv_freq = inv_freq_for(8)
     q = torch.randn(2, 4, 35, 8, dtype=torch.float64)
@@ -242,7 +242,7 @@ def test_dca_moba_inference_path_matches_moba_on_remapped_scores(
     # each worker selecting the blocks of its query range (grouped-tiled: gated pieces one call per key block, own
     # blocks in causal tiles of 2 rows; one-row gate slices: the selection scores one query at a time, so slices
     # end inside chunks as well as at their edges; three worker ranges: ranges of 5+ queries, cut anywhere)
-    from moba_hf.kernels import dca as dca_kernels
+    from moba_hf.kernels import dual_chunk as dca_kernels
     from moba_hf.kernels import torch_impl
 
     monkeypatch.setattr(torch_impl, "_GROUP_ROWS", group_rows)

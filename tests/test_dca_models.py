@@ -14,7 +14,7 @@ from transformers.models.llama.modeling_llama import rotate_half
 import moba_hf
 from moba_hf import DcaConfig, MobaConfig
 from moba_hf.dca.config import DcaParams
-from moba_hf.integration.dca import resolve
+from moba_hf.integration.rope_remap import resolve
 
 TINY = {**tiny_models.TINY, "max_position_embeddings": 16}  # DCA's c
 DENSE = MobaConfig(sparse=False, dca=DcaConfig(chunk_size=12))  # c = 16 from the model, s = 12

@@ -273,7 +273,7 @@ class Spy:
     def __init__(self, monkeypatch):
         self.decodes = 0
         self.builds = 0
-        real_decode, real_init = moba_cache.moba_decode, moba_cache.BlockState.__init__
+        real_decode, real_init = moba_cache.core.decode, moba_cache.BlockState.__init__
 
         def decode(*args, **kwargs):
             self.decodes += 1
@@ -283,7 +283,7 @@ class Spy:
             self.builds += 1
             real_init(state, *args, **kwargs)
 
-        monkeypatch.setattr(moba_cache, "moba_decode", decode)
+        monkeypatch.setattr(moba_cache.core, "decode", decode)
         monkeypatch.setattr(moba_cache.BlockState, "__init__", init)
 
 

@@ -13,7 +13,7 @@ import moba_hf
 from moba_hf import DcaConfig, MobaConfig
 from moba_hf.integration import sparsity
 from moba_hf.kernels import moba_attention, moba_attention_reference
-from moba_hf.kernels.dca import dca_attention
+from moba_hf.kernels.dual_chunk import dca_attention
 from moba_hf.kernels.rope import default_inv_freq
 
 SHAPES = [CASES[name] for name in ("odd", "chunk", "own-block", "causal", "decode")]

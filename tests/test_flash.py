@@ -27,7 +27,7 @@ from kernel_cases import shape_id as _id
 
 from moba_hf import kernels
 from moba_hf.kernels import moba_attention, moba_attention_reference, resolve_backend
-from moba_hf.kernels.common import selected_blocks
+from moba_hf.kernels.selection import selected_blocks
 from moba_hf.kernels.torch_impl import moba_attention_torch
 
 FAKE = Path(__file__).parent / "fake_flash_attn"

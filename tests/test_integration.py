@@ -146,7 +146,7 @@ def test_config_is_checked_once_per_change_not_per_layer_and_token(monkeypatch):
     with torch.no_grad():
         model(ids)
     assert len(checks) == 2
-    assert {attention.model_settings(m).moba.top_k for m in model.modules() if hasattr(m, "layer_idx")} == {1}
+    assert {attention.resolved_config(m).moba.top_k for m in model.modules() if hasattr(m, "layer_idx")} == {1}
     model.config.use_bidirectional_attention = True
     with pytest.raises(ValueError, match="use_bidirectional_attention=True"):
         model(ids)

@@ -1,6 +1,6 @@
 """Hostile inputs to the public kernel functions: NaN / inf, wrong dtypes and scales, parameters far beyond the
 sequence. Every backend follows the reference's arithmetic: a row that sees a NaN is NaN, a row that cannot see it
-is untouched (see `kernels.common.propagate_nonfinite`)."""
+is untouched (see `kernels.nonfinite.propagate_nonfinite`)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from moba_hf.kernels import (
     selected_blocks,
     torch_impl,
 )
-from moba_hf.kernels.dca_positions import MAX_MATRIX_LEN
 from moba_hf.kernels.decode import block_keys_from_cache, moba_decode
+from moba_hf.kernels.dual_chunk_positions import MAX_MATRIX_LEN
 from moba_hf.kernels.rope import default_inv_freq
 from moba_hf.kernels.torch_impl import moba_attention_torch
 

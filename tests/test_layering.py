@@ -22,10 +22,11 @@ LAYERS = (
     ("presets",),  # the shipped preset files and their names
     ("dca/config.py",),  # DcaConfig
     ("config.py",),  # MobaConfig, the config files
+    ("core.py",),  # the attention of one sequence, for every host
     ("integration",),  # everything that knows transformers
     ("dca", "models.py"),  # the public DCA names; the one model loader
     ("__init__.py",),  # the package's public names
-    ("cli_common.py", "prompts.py"),  # what the commands share; the passkey prompt eval and train share
+    ("cli_args.py", "prompts.py"),  # what the commands share; the passkey prompt eval and train share
     ("eval", "train", "vllm"),
     ("demo.py", "dca/cli.py", "presets/cli.py", "train/experiment.py"),  # commands built on the row below
     ("cli.py",),  # `moba-hf`: finds each command's module
@@ -38,8 +39,9 @@ THIRD_PARTY = {  # entry -> libraries it may not import at all
     "dca/config.py": ("torch", "transformers", "vllm"),
     "config.py": ("torch", "transformers", "vllm"),
     "kernels": ("transformers", "vllm"),
+    "core.py": ("transformers", "vllm"),
     "integration": ("vllm",),
-    "cli_common.py": ("torch", "transformers", "vllm"),
+    "cli_args.py": ("torch", "transformers", "vllm"),
     "prompts.py": ("torch", "transformers", "vllm"),
 }
 
@@ -291,18 +293,18 @@ def test_checks_catch_what_they_look_for(tmp_path):
     root = tmp_path / "moba_hf"
     (root / "kernels").mkdir(parents=True)
     (root / "__init__.py").write_text("")
-    (root / "kernels" / "__init__.py").write_text("from . import common\n_LAZY = {'m': 'moba_hf.models'}\n")
-    (root / "kernels" / "common.py").write_text(
+    (root / "kernels" / "__init__.py").write_text("from . import gate\n_LAZY = {'m': 'moba_hf.models'}\n")
+    (root / "kernels" / "gate.py").write_text(
         "def f():\n    from moba_hf.kernels import _hidden\n    from moba_hf import options\n"
     )
-    (root / "options.py").write_text("from moba_hf.kernels import common\n")
+    (root / "options.py").write_text("from moba_hf.kernels import gate\n")
     (root / "models.py").write_text("from .options import x\n")
     assert upward_imports(root) == [
-        "moba_hf/kernels/__init__.py (kernels, row 1) imports moba_hf.models (models.py, row 6)",
-        "moba_hf/options.py (options.py, row 0) imports moba_hf.kernels.common (kernels, row 1)",
+        "moba_hf/kernels/__init__.py (kernels, row 1) imports moba_hf.models (models.py, row 7)",
+        "moba_hf/options.py (options.py, row 0) imports moba_hf.kernels.gate (kernels, row 1)",
     ]
-    assert import_cycles(root) == [["moba_hf.kernels.common", "moba_hf.options", "moba_hf.kernels.common"]]
-    assert private_imports(root) == ["moba_hf/kernels/common.py:2 imports moba_hf.kernels._hidden"]
+    assert import_cycles(root) == [["moba_hf.kernels.gate", "moba_hf.options", "moba_hf.kernels.gate"]]
+    assert private_imports(root) == ["moba_hf/kernels/gate.py:2 imports moba_hf.kernels._hidden"]
     (root / "kernels" / "__init__.py").write_text("from moba_hf import options\n")
     assert eager_package_imports(root) == []
     (root / "__init__.py").write_text("from . import models\n")

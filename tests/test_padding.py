@@ -100,8 +100,8 @@ def test_attention_mask_of_the_wrong_shape_is_refused(width, use_cache):
 def test_left_padded_batched_generate_equals_per_sequence(decode, monkeypatch):
     model = tiny_model(MobaConfig(block_size=4, top_k=2, decode=decode))
     decodes = []
-    real_decode = moba_cache.moba_decode
-    monkeypatch.setattr(moba_cache, "moba_decode", lambda *a, **k: decodes.append(1) or real_decode(*a, **k))
+    real_decode = moba_cache.core.decode
+    monkeypatch.setattr(moba_cache.core, "decode", lambda *a, **k: decodes.append(1) or real_decode(*a, **k))
     seqs = sequences()
     gen = dict(max_new_tokens=9, min_new_tokens=9, do_sample=False, output_scores=True, return_dict_in_generate=True)
     ids, mask = pad_batch(seqs, "left")

@@ -5,95 +5,45 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import paged_cases
 import pytest
 import torch
+from paged_cases import HKV, HQ, PAGE, QUERY_LENS, SEQ_LENS, C, D, S
 from vllm import _custom_ops as ops
 
-from moba_hf import MobaConfig, causal_attention, moba_attention
+from moba_hf import MobaConfig, moba_attention
 from moba_hf.dca.config import DcaParams
-from moba_hf.kernels.common import pooled_keys
-from moba_hf.kernels.dca import dca_attention
+from moba_hf.kernels.pooling import pooled_keys
 from moba_hf.kernels.rope import default_inv_freq, rotate
 from moba_hf.vllm import backend, settings
 from moba_hf.vllm.paged import PagedDca, PagedGateKeys, dense_decodes, moba_paged
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGE, HQ, HKV, D = 32, 6, 2, 64
+
+
+def write_cpu(kv_cache, k, v, slots):
+    """vLLM's CPU cache op, its 'vec' layout."""
+    k_view, v_view = kv_cache.view(kv_cache.shape[0], HKV, PAGE * 2, D).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(k, v, k_view, v_view, slots, "vec")
 
 
 def paged_batch(seq_lens, query_lens, seed=0):
     """Random K/V of several sequences written through vLLM's own cache op into shuffled pages."""
-    gen = torch.Generator().manual_seed(seed)
-    pages_per_seq = [-(-n // PAGE) for n in seq_lens]
-    order = torch.randperm(sum(pages_per_seq) + 3, generator=gen)[: sum(pages_per_seq)]
-    kv_cache = torch.zeros(sum(pages_per_seq) + 3, HKV, PAGE, 2 * D)
-    k_view, v_view = kv_cache.view(kv_cache.shape[0], HKV, PAGE * 2, D).chunk(2, dim=2)
-    block_table = torch.zeros(len(seq_lens), max(pages_per_seq), dtype=torch.int32)
-    keys, values, queries, new_k, new_v = [], [], [], [], []
-    used = 0
-    for i, (n, nq) in enumerate(zip(seq_lens, query_lens, strict=True)):
-        pages = order[used : used + pages_per_seq[i]]
-        used += pages_per_seq[i]
-        block_table[i, : len(pages)] = pages.int()
-        k, v = torch.randn(n, HKV, D, generator=gen), torch.randn(n, HKV, D, generator=gen)
-        slots = pages.repeat_interleave(PAGE)[:n] * PAGE + torch.arange(n) % PAGE
-        ops.cpu_attn_reshape_and_cache(k, v, k_view, v_view, slots, "vec")
-        keys.append(k), values.append(v), new_k.append(k[n - nq :]), new_v.append(v[n - nq :])
-        queries.append(torch.randn(nq, HQ, D, generator=gen))
-    starts = [0]
-    for nq in query_lens:
-        starts.append(starts[-1] + nq)
-    return kv_cache, block_table, starts, keys, values, torch.cat(queries), torch.cat(new_k), torch.cat(new_v)
+    return paged_cases.paged_batch(seq_lens, query_lens, lambda n: torch.zeros(n, HKV, PAGE, 2 * D), write_cpu, seed)
 
 
-# a fresh prompt, a decode step, a chunk starting inside a MoBA block (110 = 64 + 46), a prompt after a cached
-# prefix of 96 tokens (three pages, one and a half MoBA blocks), a one-token prompt, a decode step over 300
-SEQ_LENS = [70, 75, 150, 200, 1, 300]
-QUERY_LENS = [70, 1, 40, 104, 1, 1]
-
-
-@pytest.mark.parametrize(
-    "config",
-    [
-        MobaConfig(block_size=64, top_k=2),
-        MobaConfig(block_size=48, top_k=3, pooling="bound", sink_blocks=1, local_blocks=1),
-        MobaConfig(block_size=20, top_k=2, decode="full", pooling="mean+max"),
-        MobaConfig(block_size=48, top_k=2, pooling="bound", dense_tail=30),
-    ],
-    ids=["blk64-k2", "blk48-k3-bound-sink1-local1", "blk20-k2-decodefull", "blk48-k2-bound-tail30"],
-)
+@pytest.mark.parametrize("config", list(paged_cases.CONFIGS))
 @pytest.mark.parametrize("pooled_beside_pages", [False, True], ids=["gathered", "pooled-beside-pages"])
 def test_mixed_batch_equals_moba_attention_per_sequence(config, pooled_beside_pages):
-    kv_cache, table, starts, keys, values, query, key, value = paged_batch(SEQ_LENS, QUERY_LENS)
-    key_cache, value_cache = backend.cache_views(kv_cache)
-    gate_keys = None
-    if pooled_beside_pages:  # decode = "moba" steps read only their selected blocks
-        gate_keys = PagedGateKeys(key_cache, config.block_size, config.pooling)
-        gate_keys.update(key_cache, torch.arange(kv_cache.shape[0]))
-    output = torch.full_like(query, float("nan"))
-    scale = D**-0.5
-    moba_paged(
-        query, key, value, key_cache, value_cache, output, query_start_loc=starts, seq_lens=SEQ_LENS,
-        block_table=table, config=config, scale=scale, gate_keys=gate_keys,
-    )  # fmt: skip
-    gate = dict(pooling=config.pooling, sink_blocks=config.sink_blocks, local_blocks=config.local_blocks)
-    for i, nq in enumerate(QUERY_LENS):
-        q = query[starts[i] : starts[i + 1]].transpose(0, 1)[None]
-        k, v = keys[i].transpose(0, 1)[None], values[i].transpose(0, 1)[None]
-        if nq == 1 and config.decode == "full":
-            want = causal_attention(q, k, v, scale=scale)
-        else:
-            want = moba_attention(q, k, v, block_size=config.block_size, top_k=config.top_k, scale=scale, **gate)
-            tail = min(config.dense_tail, nq) if nq > 1 else 0  # a prompt's or a chunk's last queries, not a decode
-            if tail:
-                want[:, :, nq - tail :] = causal_attention(q[:, :, nq - tail :], k, v, scale=scale)
-        got = output[starts[i] : starts[i + 1]].transpose(0, 1)[None]
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"sequence {i}")
+    batch = paged_batch(SEQ_LENS, QUERY_LENS)
+    paged_cases.check_mixed_batch(
+        paged_cases.CONFIGS[config], batch, backend.cpu_layout, pooled_beside_pages=pooled_beside_pages
+    )
 
 
 def test_skip_decodes_leaves_decode_rows_to_the_caller():
     kv_cache, table, starts, _, _, query, key, value = paged_batch(SEQ_LENS, QUERY_LENS)
-    key_cache, value_cache = backend.cache_views(kv_cache)
+    key_cache, value_cache = backend.cpu_layout(kv_cache)
     output = torch.full_like(query, float("nan"))
     moba_paged(
         query, key, value, key_cache, value_cache, output, query_start_loc=starts, seq_lens=SEQ_LENS,
@@ -121,7 +71,7 @@ def write_in_steps(kv_cache, pages, keys, values, steps, gate_keys):
     for n in steps:
         part = slice(done, done + n)
         ops.cpu_attn_reshape_and_cache(keys[part], values[part], k_view, v_view, slots[part], "vec")
-        gate_keys.update(backend.cache_views(kv_cache)[0], torch.unique(slots[part] // PAGE))
+        gate_keys.update(backend.cpu_layout(kv_cache)[0], torch.unique(slots[part] // PAGE))
         done += n
 
 
@@ -129,7 +79,7 @@ def decode_step(config, kv_cache, pages, keys, values, query, gate_keys):
     """The plugin's sparse decode step of one sequence (its last key is the query's) and `moba_attention`'s answer."""
     length = keys.shape[0]
     output = torch.full_like(query, float("nan"))
-    key_cache, value_cache = backend.cache_views(kv_cache)
+    key_cache, value_cache = backend.cpu_layout(kv_cache)
     moba_paged(
         query, keys[-1:], values[-1:], key_cache, value_cache, output, query_start_loc=[0, 1], seq_lens=[length],
         block_table=pages[None].int(), config=config, scale=D**-0.5, gate_keys=gate_keys,
@@ -159,7 +109,7 @@ def test_sparse_decode_over_pooled_keys_equals_moba_attention(config, length):
     kv_cache = torch.randn(n_pages + 4, HKV, PAGE, 2 * D, generator=gen)  # pages hold an earlier sequence's data
     pages = torch.randperm(n_pages + 4, generator=gen)[:n_pages]
     keys, values = torch.randn(length, HKV, D, generator=gen), torch.randn(length, HKV, D, generator=gen)
-    gate_keys = PagedGateKeys(backend.cache_views(kv_cache)[0], config.block_size, config.pooling)
+    gate_keys = PagedGateKeys(backend.cpu_layout(kv_cache)[0], config.block_size, config.pooling)
     gate_keys.stats.normal_(generator=gen)  # summaries of the earlier data, stale until the pages are rewritten
     prompt = max(length - 5, 1)
     write_in_steps(kv_cache, pages, keys, values, [prompt] + [1] * (length - prompt), gate_keys)
@@ -177,7 +127,7 @@ def test_pooled_keys_beside_the_pages_equal_pooled_keys():
             kv_cache = torch.randn(n_pages + 2, HKV, PAGE, 2 * D, generator=gen)
             pages = torch.randperm(n_pages + 2, generator=gen)[:n_pages]
             keys, values = torch.randn(length, HKV, D, generator=gen), torch.randn(length, HKV, D, generator=gen)
-            gate_keys = PagedGateKeys(backend.cache_views(kv_cache)[0], block, pooling)
+            gate_keys = PagedGateKeys(backend.cpu_layout(kv_cache)[0], block, pooling)
             write_in_steps(kv_cache, pages, keys, values, [block + 3, 2 * block - 1] + [1] * (2 * block + 5), gate_keys)
             got = gate_keys.block_keys(pages, length)
             want = pooled_keys(keys.transpose(0, 1)[None], block, pooling)
@@ -195,7 +145,7 @@ def test_sparse_decode_propagates_nan_and_inf_as_moba_attention(bad):
     keys, values = torch.randn(length, HKV, D, generator=gen), torch.randn(length, HKV, D, generator=gen)
     keys[40, 1, 3] = float(bad)  # a key in block 1 of KV head 1
     values[70, 0, 5] = float(bad)  # a value in block 2 of KV head 0
-    gate_keys = PagedGateKeys(backend.cache_views(kv_cache)[0], config.block_size, config.pooling)
+    gate_keys = PagedGateKeys(backend.cpu_layout(kv_cache)[0], config.block_size, config.pooling)
     write_in_steps(kv_cache, pages, keys, values, [length], gate_keys)
     query = torch.randn(1, HQ, D, generator=gen)
     got, want = decode_step(config, kv_cache, pages, keys, values, query, gate_keys)
@@ -203,82 +153,9 @@ def test_sparse_decode_propagates_nan_and_inf_as_moba_attention(bad):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
-# DCA with c = 64, s = 48 (MoBA blocks of 16 tile a chunk): a prompt over four chunks, a decode step, a chunk of
-# 40 crossing a DCA chunk boundary (90 cached), a prompt after a cached prefix of 96, a one-token prompt, a prompt
-# and a decode step inside the first chunk (plain attention there)
-DCA_SEQ_LENS = [150, 175, 130, 200, 1, 30, 40]
-DCA_QUERY_LENS = [150, 1, 40, 104, 1, 30, 1]
-C, S = 64, 48
-
-
-def dca_paged_batch(dca: PagedDca, seq_lens, query_lens):
-    """A batch as vLLM hands it to the backend: q / k of the new tokens rotated at their index p (vLLM's RoPE),
-    the cached keys at p mod s (written by earlier steps); the new keys go through `PagedDca.move` and vLLM's
-    cache op, as `do_kv_cache_update` does. Also returns each sequence's raw (unrotated) q, k, v."""
-    kv_cache, table, starts, raw_k, values, raw_q, _, new_v = paged_batch(seq_lens, query_lens, seed=1)
-    k_view, v_view = kv_cache.view(kv_cache.shape[0], HKV, PAGE * 2, D).chunk(2, dim=2)
-    queries, new_k = [], []
-    for i, (n, nq) in enumerate(zip(seq_lens, query_lens, strict=True)):
-        p = torch.arange(n)
-        slots = table[i].long().repeat_interleave(PAGE)[:n] * PAGE + p % PAGE
-        cached = rotate(raw_k[i][: n - nq], (p % S)[: n - nq, None], dca.inv_freq)
-        ops.cpu_attn_reshape_and_cache(cached, values[i][: n - nq], k_view, v_view, slots[: n - nq], "vec")
-        new_k.append(rotate(raw_k[i][n - nq :], p[n - nq :, None], dca.inv_freq))
-        queries.append(rotate(raw_q[starts[i] : starts[i + 1]], p[n - nq :, None], dca.inv_freq))
-    query, key = torch.cat(queries), torch.cat(new_k)
-    delta = dca.deltas(starts, seq_lens)
-    moved = dca.move(key, delta)
-    slots = torch.cat([table[i].long().repeat_interleave(PAGE)[n - nq : n] * PAGE + torch.arange(n - nq, n) % PAGE
-                       for i, (n, nq) in enumerate(zip(seq_lens, query_lens, strict=True))])  # fmt: skip
-    ops.cpu_attn_reshape_and_cache(moved, new_v, k_view, v_view, slots, "vec")
-    return kv_cache, table, starts, raw_q, raw_k, values, dca.move(query, delta), moved, new_v
-
-
-@pytest.mark.parametrize(
-    "config,temperature",
-    [
-        (MobaConfig(sparse=False), False),
-        (MobaConfig(block_size=16, top_k=3), True),
-        (MobaConfig(block_size=16, top_k=2, pooling="bound", sink_blocks=1, local_blocks=1, decode="full"), False),
-        (MobaConfig(block_size=16, top_k=2, pooling="bound", dense_tail=5), True),
-    ],
-    ids=["dense", "blk16-k3-temperature", "blk16-k2-bound-sink1-local1-decodefull", "blk16-k2-bound-tail5"],
-)
-def test_paged_dca_mixed_batch_equals_dca_per_sequence(config, temperature):
-    dca = PagedDca(DcaParams(pretraining_length=C, chunk_size=S, temperature=temperature), default_inv_freq(D, 1e4))
-    kv_cache, table, starts, raw_q, raw_k, values, query, key, value = dca_paged_batch(
-        dca, DCA_SEQ_LENS, DCA_QUERY_LENS
-    )
-    key_cache, value_cache = backend.cache_views(kv_cache)
-    output = torch.full_like(query, float("nan"))
-    scale = D**-0.5
-    moba_paged(
-        query, key, value, key_cache, value_cache, output, query_start_loc=starts, seq_lens=DCA_SEQ_LENS,
-        block_table=table, config=config, scale=scale, dense=not config.sparse, dca=dca,
-    )  # fmt: skip
-    gate = dict(pooling=config.pooling, sink_blocks=config.sink_blocks, local_blocks=config.local_blocks)
-    for i, (n, nq) in enumerate(zip(DCA_SEQ_LENS, DCA_QUERY_LENS, strict=True)):
-        # the reference rotates the raw q / k straight to their DCA positions: i mod s, j mod s
-        p = torch.arange(n)
-        q = rotate(raw_q[starts[i] : starts[i + 1]], p[n - nq :, None] % S, dca.inv_freq).transpose(0, 1)[None]
-        k = rotate(raw_k[i], p[:, None] % S, dca.inv_freq).transpose(0, 1)[None]
-        v = values[i].transpose(0, 1)[None]
-        dense = not config.sparse or (nq == 1 and config.decode == "full")
-        moba = {} if dense else dict(block_size=config.block_size, top_k=config.top_k, **gate)
-        dca_args = dict(pretraining_length=C, chunk_size=S, inv_freq=dca.inv_freq, scale=scale,
-                        temperature=dca.params.temperature_factor(n))  # fmt: skip
-        if n > S:
-            want = dca_attention(q, k, v, **dca_args, **moba)
-        elif dense:
-            want = causal_attention(q, k, v, scale=scale)
-        else:
-            want = moba_attention(q, k, v, scale=scale, **moba)
-        tail = min(config.dense_tail, nq) if nq > 1 and not dense else 0  # the last queries of a prompt or chunk
-        if tail:  # attend as dense DCA (plain causal attention within one chunk) over all n keys
-            dense_rows = dca_attention(q, k, v, **dca_args) if n > S else causal_attention(q, k, v, scale=scale)
-            want[:, :, nq - tail :] = dense_rows[:, :, nq - tail :]
-        got = output[starts[i] : starts[i + 1]].transpose(0, 1)[None]
-        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5, msg=f"sequence {i}")
+@pytest.mark.parametrize("case", list(paged_cases.DCA_CONFIGS))
+def test_paged_dca_mixed_batch_equals_dca_per_sequence(case):
+    paged_cases.check_dca_mixed_batch(case, lambda n: torch.zeros(n, HKV, PAGE, 2 * D), write_cpu, backend.cpu_layout)
 
 
 def test_dca_deltas_follow_the_sequence_positions():
@@ -297,8 +174,8 @@ def test_dca_deltas_follow_the_sequence_positions():
 def test_cache_layout_check_reads_vllm_layout(isa, dtype, monkeypatch):
     backend.check_cache_layout(isa, dtype, 128, 64)  # vLLM's own op writes a layout the plugin reads back
     # the check compares what it reads with what vLLM wrote: a reader with the page's positions reversed is refused
-    real = backend.cache_views
-    monkeypatch.setattr(backend, "cache_views", lambda kv_cache: (real(kv_cache)[0].flip(-1), real(kv_cache)[1]))
+    real = backend.cpu_layout
+    monkeypatch.setattr(backend, "cpu_layout", lambda kv_cache: (real(kv_cache)[0].flip(-1), real(kv_cache)[1]))
     with pytest.raises(settings.MobaSetupError, match=f"layout for isa={isa!r}"):
         backend.check_cache_layout(isa, dtype, 128, 64)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..cli_common import UsageError, positive_int
+from ..cli_args import UsageError, positive_int
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -21,7 +21,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..kernels.dca_positions import format_matrix, relative_positions
+    from ..kernels.dual_chunk_positions import format_matrix, relative_positions
     from .config import default_chunk_size
 
     c = args.pretraining_length

@@ -1,5 +1,5 @@
-"""`DcaConfig`: Dual Chunk Attention settings and their validation (resolved against a model config in
-`integration.dca`).
+"""`DcaConfig`: Dual Chunk Attention's configuration and its validation (resolved against a model config in
+`integration.rope_remap`).
 
 Paper convention (An et al., ICML 2024): pretraining length ``c``, chunk size ``s < c``, local window
 ``w = c - s``. Keys sit at ``j mod s``; a query at ``i`` sits at ``i mod s`` for keys of its own chunk,

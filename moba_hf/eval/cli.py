@@ -11,7 +11,7 @@ import logging
 import sys
 from typing import Any
 
-from ..cli_common import (
+from ..cli_args import (
     UsageError,
     add_model_args,
     add_out_arg,

@@ -661,7 +661,7 @@ def _reads_past_window(setting: Setting, model: Any) -> bool:
     """Whether `setting` runs DCA on `model` (every query-key distance kept inside the trained window)."""
     if setting.attn != MOBA:
         return False
-    from ..integration.dca import resolve
+    from ..integration.rope_remap import resolve
 
     moba = resolved(setting, model).moba
     try:

@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
+from .. import core
 from ..config import MobaConfig
 from ..dca.config import DcaParams
-from ..kernels import moba_attention, resolve_backend
-from ..kernels.common import causal_attention_unchecked, needs_grad
-from . import dca as dca_hf
-from . import sparsity
+from ..kernels import resolve_backend
+from ..kernels.checks import needs_grad
+from . import rope_remap, sparsity
 from .cache import cached_step
 from .layout import sequence_spans
 from .support import SUPPORTED_MODEL_TYPES, check_supported  # noqa: F401 - re-exported
@@ -31,7 +31,7 @@ from .support import SUPPORTED_MODEL_TYPES, check_supported  # noqa: F401 - re-e
 logger = logging.getLogger("moba_hf")
 
 _warned_default: set[int] = set()
-_SETTINGS_ATTR = "_moba_settings"  # on the attention module: the ModelSettings of its last call
+_RESOLVED_ATTR = "_moba_resolved"  # on the attention module: the ResolvedConfig of its last call
 
 
 @functools.lru_cache(maxsize=64)
@@ -43,7 +43,7 @@ def moba_config_of(model_config: Any) -> MobaConfig:
     """The MobaConfig stored in a model's config (defaults, logged once, if there is none).
 
     A preset name or file path given as `moba_config=` to `from_pretrained` is resolved here once and stored
-    back as a dict, so `save_pretrained` writes the settings themselves."""
+    back as a dict, so `save_pretrained` writes the values themselves."""
     raw = getattr(model_config, "moba_config", None)
     if raw is None:
         if id(model_config) not in _warned_default:
@@ -66,7 +66,7 @@ def moba_config_of(model_config: Any) -> MobaConfig:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ModelSettings:
+class ResolvedConfig:
     """What the attention function takes from a model config: worked out (and checked) once, then reused by every
     layer and step while the config's attributes still equal `snapshot`, a copy taken after the checks (any
     change to the config, its moba_config or its attention implementation, in place or not, checks again)."""
@@ -106,32 +106,32 @@ def _snapshot(attributes: dict[str, Any]) -> dict[str, Any]:
     return snapshot
 
 
-_latest: ModelSettings | None = None  # shared by the layers of one model: one snapshot, not one per layer
+_latest: ResolvedConfig | None = None  # shared by the layers of one model: one snapshot, not one per layer
 
 
-def model_settings(module: torch.nn.Module) -> ModelSettings:
-    """The settings `module`'s config runs with: the support check, its MobaConfig (defaults if it has none), the
+def resolved_config(module: torch.nn.Module) -> ResolvedConfig:
+    """What `module`'s config resolves to: the support check, its MobaConfig (defaults if it has none), the
     full-attention layers and DCA's parameters; the checks raise as they would on every call."""
     global _latest
     model_config = module.config
-    settings = module.__dict__.get(_SETTINGS_ATTR)
-    if settings is not None and settings.holds_for(model_config):
-        return settings
+    resolved = module.__dict__.get(_RESOLVED_ATTR)
+    if resolved is not None and resolved.holds_for(model_config):
+        return resolved
     if _latest is None or not _latest.holds_for(model_config):
         check_supported(model_config)
-        config = moba_config_of(model_config)  # may store a preset's settings back into the config: copy after
+        config = moba_config_of(model_config)  # may store a preset's values back into the config: copy after
         full_layers = config.full_layer_set(model_config.num_hidden_layers)
-        dca = dca_hf.resolve(config.dca, model_config, config.block_size if config.sparse else None)
+        dca = rope_remap.resolve(config.dca, model_config, config.block_size if config.sparse else None)
         snapshot = _snapshot(_attributes(model_config))
-        _latest = ModelSettings(weakref.ref(model_config), snapshot, config, full_layers, dca)
-    setattr(module, _SETTINGS_ATTR, _latest)
+        _latest = ResolvedConfig(weakref.ref(model_config), snapshot, config, full_layers, dca)
+    setattr(module, _RESOLVED_ATTR, _latest)
     return _latest
 
 
-def drop_settings(model: torch.nn.Module) -> None:
-    """Forget the settings `model_settings` kept on the model's modules (used by `revert`)."""
+def forget_resolved(model: torch.nn.Module) -> None:
+    """Forget what `resolved_config` kept on the model's modules (used by `revert`)."""
     for module in model.modules():
-        module.__dict__.pop(_SETTINGS_ATTR, None)
+        module.__dict__.pop(_RESOLVED_ATTR, None)
 
 
 def moba_attention_forward(
@@ -144,8 +144,8 @@ def moba_attention_forward(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    settings = model_settings(module)
-    config = settings.moba
+    resolved = resolved_config(module)
+    config = resolved.moba
     if dropout:
         raise ValueError(f"moba attention does not implement attention dropout; got dropout={dropout} (use 0.0)")
     window = kwargs.get("sliding_window")
@@ -163,11 +163,12 @@ def moba_attention_forward(
 
     nq, nk = query.shape[2], key.shape[2]
     layer = getattr(module, "layer_idx", None)
-    dense = layer is not None and layer in settings.full_layers
-    dense = dense or (nq == 1 and config.decode == "full") or not config.sparse
+    dense = core.runs_dense(config, nq, layer is not None and layer in resolved.full_layers)
     dca = None
-    if settings.dca is not None:  # moves the fresh keys in the cache and the queries to DCA positions
-        query, dca = dca_hf.remap_fresh(module, settings.dca, query, key, attention_mask, kwargs.get("position_ids"))
+    if resolved.dca is not None:  # moves the fresh keys in the cache and the queries to DCA positions
+        query, dca = rope_remap.remap_fresh(
+            module, resolved.dca, query, key, attention_mask, kwargs.get("position_ids")
+        )
 
     if not dense and dca is None:  # with a KV cache: keep the block state in step; sparse decode when it applies
         out = cached_step(module, query, key, value, attention_mask, config, scaling)
@@ -210,14 +211,12 @@ def _attend(
     scale: float | None,
     dense: bool,
     layer: int | None,
-    dca: dca_hf.DcaRun | None = None,
+    dca: core.Dca | None = None,
 ) -> torch.Tensor:
-    if dca is not None and dca.applies(k.shape[2]):
-        return dca.attend(q, k, v, config, scale, dense, layer)
-    if dense:
-        sparsity.record_attention(layer, q, k.shape[2], "sdpa")
-        # q, k, v are the model's own, the queries its newest keys (the mask function refuses anything else)
-        return causal_attention_unchecked(q, k, v, scale)
-    backend = functools.partial(resolve_backend, config.backend, q, needs_grad=needs_grad(q, k, v))
-    sparsity.record_attention(layer, q, k.shape[2], backend, config)
-    return moba_attention(q, k, v, scale=scale, backend=config.backend, **config.prefill_kwargs(q.shape[2]))
+    route = core.path(config, q.shape[2], k.shape[2], dense_layer=dense, dca=dca)
+    if route == "moba":
+        backend = functools.partial(resolve_backend, config.backend, q, needs_grad=needs_grad(q, k, v))
+        sparsity.record_attention(layer, q, k.shape[2], backend, config)
+    else:  # DCA's gate mixes query variants, but the rule (and so the count) is MoBA's
+        sparsity.record_attention(layer, q, k.shape[2], route, config if route == "dca+moba" else None)
+    return core.attend(q, k, v, config, scale, route, dca)

@@ -24,9 +24,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .. import core
 from ..config import MobaConfig
-from ..kernels.common import gate_dtype, gate_features, gate_width
-from ..kernels.decode import moba_decode
+from ..kernels.checks import gate_dtype
+from ..kernels.pooling import BlockStats
 from . import sparsity
 
 logger = logging.getLogger("moba_hf")
@@ -135,13 +136,12 @@ def check_cache_supported(cache: Any, layer_idx: int | None) -> None:
 
 # --- the block state ------------------------------------------------------------------------------------------
 class BlockState:
-    """Running per-block key sums (and maxima, for max / bound pooling) of one layer's cache, per row and KV head,
-    and the pooled keys derived from them.
+    """The running pooled-key statistics (`kernels.pooling.BlockStats`) of one layer's cache, per row, block and
+    KV head, and the pooled keys derived from them.
 
-    sums / maxes: [B, Hkv, capacity, D] (maxes: 2D for bound, the max of [k, -k]); pooled: [B, Hkv, capacity,
-    D or 2D], what `block_keys` returns, re-derived only for the blocks an append touched (a decode step: one
-    block per row); counts[b]: real tokens of row b so far; starts[b]: cache position of row b's first real
-    token (= n while it has none); n: cache positions covered.
+    stats, pooled: [B, Hkv, capacity, width]; pooled is what `block_keys` returns, re-derived only for the
+    blocks an append touched (a decode step: one block per row); counts[b]: real tokens of row b so far;
+    starts[b]: cache position of row b's first real token (= n while it has none); n: cache positions covered.
     """
 
     def __init__(self, keys: torch.Tensor, block_size: int, pooling: str) -> None:
@@ -151,10 +151,9 @@ class BlockState:
         self.shape = (b, hkv, d)
         self.dtype = gate_dtype(keys.dtype)
         self.device = keys.device
-        self.sums = keys.new_zeros(b, hkv, 0, d, dtype=self.dtype) if pooling in ("mean", "mean+max") else None
-        empty = keys.new_zeros(b, hkv, 0, d, dtype=self.dtype)
-        self.maxes = gate_features(empty, pooling) if pooling != "mean" else None  # 2D wide for bound
-        self.pooled = keys.new_zeros(b, hkv, 0, gate_width(d, pooling), dtype=self.dtype)
+        self.pool = BlockStats.of(pooling, d)
+        self.stats = self.pool.empty(b, hkv, 0, dtype=self.dtype, device=keys.device)
+        self.pooled = keys.new_zeros(b, hkv, 0, self.pool.width, dtype=self.dtype)
         self._stale = (0, 0)  # blocks lo .. hi - 1 whose pooled keys are out of date
         self.counts = torch.zeros(b, dtype=torch.long, device=keys.device)
         self.starts = torch.zeros(b, dtype=torch.long, device=keys.device)
@@ -174,10 +173,9 @@ class BlockState:
         if n_blocks <= have:
             return
         grow = max(n_blocks, 2 * have) - have  # amortized doubling: no realloc per block
-        if self.sums is not None:
-            self.sums = F.pad(self.sums, (0, 0, 0, grow))
-        if self.maxes is not None:
-            self.maxes = F.pad(self.maxes, (0, 0, 0, grow), value=float("-inf"))
+        b, hkv, _ = self.shape
+        more = self.pool.empty(b, hkv, grow, dtype=self.dtype, device=self.device)
+        self.stats = torch.cat([self.stats, more], dim=2)
         self.pooled = F.pad(self.pooled, (0, 0, 0, grow))
 
     def append(self, keys: torch.Tensor, real: torch.Tensor | None) -> None:
@@ -197,10 +195,7 @@ class BlockState:
             blocks = self.counts // self.block_size
             self._reserve(self.max_count // self.block_size + 1)
             x = keys[:, :, 0].to(self.dtype)  # [B, Hkv, D]
-            if self.sums is not None:
-                self.sums[rows, :, blocks] += x
-            if self.maxes is not None:
-                self.maxes[rows, :, blocks] = torch.maximum(self.maxes[rows, :, blocks], gate_features(x, self.pooling))
+            self.stats[rows, :, blocks] = self.pool.merged(self.stats[rows, :, blocks], self.pool.of_keys(x))
         elif real is None and self.min_count == self.max_count:
             self._accumulate(slice(None), keys, self.min_count)
         else:
@@ -232,12 +227,7 @@ class BlockState:
         count = self.min_count
         block = count // self.block_size
         self._reserve(block + 1)
-        x = x.to(self.dtype)  # [B, Hkv, D]
-        if self.sums is not None:
-            self.sums[:, :, block] += x
-        if self.maxes is not None:
-            maxes = self.maxes[:, :, block]
-            torch.maximum(maxes, gate_features(x, self.pooling), out=maxes)
+        self.pool.merge_(self.stats[:, :, block], self.pool.of_keys(x.to(self.dtype)))  # x: [B, Hkv, D]
         if count == 0:
             self.starts = torch.full_like(self.starts, self.n)
         self.counts += 1
@@ -253,20 +243,12 @@ class BlockState:
         n_blk = -(-(off + r) // bs)
         self._reserve(first + n_blk)
         x = x.to(self.dtype)
-        features = gate_features(x, self.pooling)  # what the maxima run over
         if n_blk == 1:  # one block, no padding
-            if self.sums is not None:
-                self.sums[rows, :, first] += x.sum(2)
-            if self.maxes is not None:
-                self.maxes[rows, :, first] = torch.maximum(self.maxes[rows, :, first], features.amax(2))
+            self.stats[rows, :, first] = self.pool.merged(self.stats[rows, :, first], self.pool.reduce(x, 2))
             return
         # index by block instead of padding to whole blocks: memory follows the tokens, not block_size
         block = (count + torch.arange(r, device=x.device)) // bs
-        if self.sums is not None:
-            self.sums[rows] = self.sums[rows].index_add(2, block, x)
-        if self.maxes is not None:
-            index = block.view(1, 1, r, 1).expand(*features.shape)
-            self.maxes[rows] = self.maxes[rows].scatter_reduce(2, index, features, "amax")
+        self.stats[rows] = self.pool.scattered(self.stats[rows], 2, block, x)
 
     def block_keys(self, n_blocks: int | None = None) -> torch.Tensor:
         """Pooled keys [B, Hkv, n_blocks, D (2D for mean+max and bound)] in each row's sequence layout (blocks no
@@ -279,24 +261,15 @@ class BlockState:
             self._pool_block(lo, min(bs, max(0, self.min_count - lo * bs)))
         elif hi > lo:
             filled = (self.counts[:, None] - torch.arange(lo, hi, device=self.device) * bs).clamp(0, bs)
-            pooled = []
-            if self.sums is not None:
-                pooled.append(self.sums[:, :, lo:hi] / filled.clamp(min=1).to(self.dtype)[:, None, :, None])
-            if self.maxes is not None:  # empty (future) blocks: zeros, never selected
-                pooled.append(self.maxes[:, :, lo:hi].masked_fill((filled == 0)[:, None, :, None], 0.0))
-            self.pooled[:, :, lo:hi] = pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=-1)
+            # empty (future) blocks pool to zeros, never selected
+            self.pooled[:, :, lo:hi] = self.pool.pooled(self.stats[:, :, lo:hi], filled.to(self.dtype)[:, None])
             self._stale = (0, 0)
         return self.pooled[:, :, :nb]
 
     def _pool_block(self, block: int, filled: int) -> None:
         """Re-derive the pooled key of `block`, which holds `filled` keys in every row (the arithmetic of the
         general case in `block_keys`, written in place)."""
-        d = self.shape[2]
-        if self.sums is not None:
-            torch.div(self.sums[:, :, block], max(filled, 1), out=self.pooled[:, :, block, :d])
-        if self.maxes is not None:
-            target = self.pooled[:, :, block, d:] if self.sums is not None else self.pooled[:, :, block]
-            target.copy_(self.maxes[:, :, block]) if filled else target.zero_()
+        self.pool.pool_into(self.stats[:, :, block], filled, self.pooled[:, :, block])
         self._stale = (0, 0)
 
     def contiguous_rows(self) -> bool:
@@ -377,12 +350,9 @@ def cached_step(
     state = block_state(cache, layer, key, in_step, padding_mask, config, create=decode) if layer is not None else None
     if not decode or state is None or not state.contiguous_rows() or state.min_count < nq:
         return None
-    # `config.kernel_kwargs()` spelled out: this runs per layer and token
-    out, selected = moba_decode(
-        query, key, value, state.block_keys(), scale=scale, starts=state.starts, return_selection=True,
-        block_size=config.block_size, top_k=config.top_k, pooling=config.pooling, sink_blocks=config.sink_blocks,
-        local_blocks=config.local_blocks,
-    )  # fmt: skip
+    out, selected = core.decode(
+        query, (key, value), state.block_keys(), config, scale, starts=state.starts, return_selection=True
+    )
     if sparsity.tracking():
         attended = sum(
             sparsity.attended_pairs(selected[r : r + 1], int(state.counts[r]), config.block_size)

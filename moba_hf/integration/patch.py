@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from ..config import MobaConfig
-from .attention import drop_settings
+from .attention import forget_resolved
 from .cache import install_model_hooks, remove_hooks
-from .dca import drop_cached_frequencies
-from .dca import resolve as resolve_dca
 from .register import CONFIG_FIELD, NAME, register
+from .rope_remap import drop_cached_frequencies
+from .rope_remap import resolve as resolve_dca
 from .support import check_supported, family_of
 
 # attribute on the model: what `revert` restores, recorded by the first `apply`:
@@ -74,7 +74,7 @@ def revert(model: Any) -> Any:
     delattr(model, _PREVIOUS)
     remove_hooks(model)  # the KV-cache hooks apply (or moba attention's first call) installed
     drop_cached_frequencies(model)
-    drop_settings(model)
+    forget_resolved(model)
     if had:
         model.config.moba_config = moba_config
     elif CONFIG_FIELD in vars(model.config):

@@ -207,7 +207,7 @@ def _attention_problems(cls: type) -> list[str]:
 
 def _rotary_class(module: ModuleType, attentions: list[type]) -> type | None:
     rotaries = {k: cls for k, cls in vars(module).items() if k.endswith("RotaryEmbedding") and inspect.isclass(cls)}
-    for cls in attentions:  # the naming integration.dca uses to find a layer's frequencies
+    for cls in attentions:  # the naming integration.rope_remap uses to find a layer's frequencies
         match = rotaries.get(cls.__name__.removesuffix("Attention") + "RotaryEmbedding")
         if match is not None:
             return match

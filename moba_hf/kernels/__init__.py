@@ -15,21 +15,10 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from .common import (
-    GateOptions,
-    causal_attention,
-    causal_attention_unchecked,
-    check_inputs,
-    check_moba_args,
-    cuda_or_triton_interpreter,
-    flash_attn_takes,
-    flex_takes,
-    gate_scores,
-    needs_grad,
-    selected_blocks,
-    with_dense_tail,
-)
+from .causal import causal_attention, causal_attention_unchecked, with_dense_tail
+from .checks import check_inputs, check_moba_args, cuda_or_triton_interpreter, flash_attn_takes, flex_takes, needs_grad
 from .reference import moba_attention_reference
+from .selection import GateOptions, gate_scores, selected_blocks
 
 logger = logging.getLogger("moba_hf")
 

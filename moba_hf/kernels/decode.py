@@ -27,19 +27,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from .common import (
-    GateOptions,
-    block_masks,
-    check_inputs,
-    check_moba_args,
-    choose_blocks,
-    gate_dtype,
-    gate_queries,
-    gate_width,
-    masked_matmul,
-    needs_grad,
-    pooled_keys,
-)
+from .checks import check_inputs, check_moba_args, gate_dtype, needs_grad
+from .nonfinite import masked_matmul
+from .pooling import gate_queries, gate_width, pooled_keys
+from .selection import GateOptions, block_masks, choose_blocks
 from .workers import run_single_threaded
 
 # `block_masks` of rows of one length, by (blocks, queries, position, block size, sink, local, device): a decode

@@ -13,7 +13,8 @@ import threading
 
 import torch
 
-from .common import masked_matmul, scale_underflows
+from .checks import scale_underflows
+from .nonfinite import masked_matmul
 
 # private but long-standing ops (torch >= 2.3); looked up softly so a missing one means the matmul path
 _FUSED_FWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)

@@ -27,17 +27,10 @@ import re
 import torch
 import torch.nn.functional as F
 
-from .common import (
-    GateOptions,
-    check_moba_args,
-    effective_block_size,
-    flash_attn_takes,
-    gate_dtype,
-    num_blocks,
-    route_nonfinite,
-    selection_slices,
-)
+from .checks import check_moba_args, effective_block_size, flash_attn_takes, gate_dtype, num_blocks
 from .dense import merge_lse_rows
+from .nonfinite import route_nonfinite
+from .selection import GateOptions, selection_slices
 
 try:
     import flash_attn

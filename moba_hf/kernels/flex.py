@@ -17,20 +17,9 @@ from collections.abc import Callable
 
 import torch
 
-from .common import (
-    DEFAULT_GATE,
-    FLEX_CPU_DTYPES,
-    GateOptions,
-    all_finite,
-    check_moba_args,
-    effective_block_size,
-    flex_takes,
-    has_nonfinite,
-    needs_grad,
-    num_blocks,
-    propagate_moba_nonfinite,
-    selection_slices,
-)
+from .checks import FLEX_CPU_DTYPES, check_moba_args, effective_block_size, flex_takes, needs_grad, num_blocks
+from .nonfinite import all_finite, has_nonfinite, propagate_moba_nonfinite
+from .selection import DEFAULT_GATE, GateOptions, selection_slices
 from .torch_impl import moba_attention_torch
 
 try:

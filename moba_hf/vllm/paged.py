@@ -14,7 +14,7 @@ the page size: the gathered keys are contiguous positions 0..Nk-1.
 With Dual Chunk Attention (`PagedDca`) vLLM's model has rotated q and k at each token's index p in its
 sequence; keys move to ``p mod s`` before they are written to the cache (so the cache holds DCA keys for
 every later step), queries the same before they attend, and a sequence longer than one chunk attends as
-`kernels.dca.dca_attention`, dense or with MoBA.
+`kernels.dual_chunk.dca_attention`, dense or with MoBA.
 """
 
 from __future__ import annotations
@@ -25,51 +25,67 @@ from collections.abc import Container, Sequence
 
 import torch
 
+from .. import core
 from ..config import MobaConfig
-from ..dca.config import DcaParams
-from ..kernels import causal_attention, moba_attention
-from ..kernels.common import gate_dtype, gate_features, gate_width
-from ..kernels.dca import dca_attention
-from ..kernels.decode import moba_decode_cache
+from ..kernels.checks import gate_dtype
+from ..kernels.pooling import BlockStats
 from ..kernels.rope import rotate
 
 
-def gather_sequence(cache: torch.Tensor, pages: torch.Tensor, length: int, *, transposed: bool = False) -> torch.Tensor:
+# --- cache layouts ------------------------------------------------------------------------------------------
+# Every reader below takes one layer's pages as two views in one index order, (num_pages, kv_heads, page_size,
+# head_dim), whatever the strides: a layout function turns a backend's cache tensor into them without a copy.
+def cpu_layout(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's CPU backend: (num_pages, kv_heads, page, 2 * D) holds, per page and head, the keys as (D, page)
+    then the values as (page, D)."""
+    num_pages, num_kv_heads, page, double = kv_cache.shape
+    d = double // 2
+    pairs = kv_cache.view(num_pages, num_kv_heads, 2, page * d)
+    keys = pairs[:, :, 0].unflatten(-1, (d, page)).transpose(2, 3)
+    return keys, pairs[:, :, 1].unflatten(-1, (page, d))
+
+
+def flash_layout(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's FlashAttention and Triton backends: (num_pages, 2, page, kv_heads, D), keys then values."""
+    return kv_cache[:, 0].transpose(1, 2), kv_cache[:, 1].transpose(1, 2)
+
+
+LAYOUTS = {"cpu": cpu_layout, "flash": flash_layout}
+
+
+def gather_sequence(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` positions of one sequence: (kv_heads, length, head_dim).
 
-    cache: (num_pages, kv_heads, page_size, head_dim), or (num_pages, kv_heads, head_dim, page_size) when
-    `transposed` (how vLLM's CPU backend stores keys); any strides (its pages interleave K and V).
+    cache: (num_pages, kv_heads, page_size, head_dim), a layout's view (any strides).
     pages: (>= ceil(length / page_size),) page ids of the sequence in order.
     """
-    page = cache.shape[3] if transposed else cache.shape[2]
+    page = cache.shape[2]
     used = pages[: -(-length // page)].long()
-    rows = cache.index_select(0, used)  # this sequence's pages only
-    if transposed:
-        rows = rows.transpose(2, 3)  # (n_pages, Hkv, page, D)
+    rows = cache.index_select(0, used)  # this sequence's pages only: (n_pages, Hkv, page, D)
     return rows.transpose(0, 1).flatten(1, 2)[:, :length]
 
 
 @dataclasses.dataclass(frozen=True)
 class PagedCache:
-    """One sequence's keys and values in vLLM's CPU pages, read as the windows sparse decode asks for
+    """One sequence's keys and values in vLLM's pages, read as the windows sparse decode asks for
     (`kernels.decode.CacheWindows`): only the selected positions are copied."""
 
-    key_cache: torch.Tensor  # (num_pages, kv_heads, D, page_size)
+    key_cache: torch.Tensor  # (num_pages, kv_heads, page_size, D), a layout's view
     value_cache: torch.Tensor  # (num_pages, kv_heads, page_size, D)
     pages: torch.Tensor  # (>= ceil(length / page_size),) long
     length: int
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        _, hkv, d, _ = self.key_cache.shape
+        _, hkv, _, d = self.key_cache.shape
         return (1, hkv, self.length, d)
 
     def windows(self, start: torch.Tensor, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        page_size = self.key_cache.shape[3]
+        page_size = self.key_cache.shape[2]
         pos = start[..., None] + torch.arange(width, device=start.device)  # (1, Hkv, U, W)
         page, offset = self.pages[pos // page_size], pos % page_size
         head = torch.arange(start.shape[1], device=start.device)[None, :, None, None]
-        keys = self.key_cache[page, head, :, offset]  # (1, Hkv, U, W, D)
+        keys = self.key_cache[page, head, offset]  # (1, Hkv, U, W, D)
         values = self.value_cache[page, head, offset]
         return keys.flatten(2, 3).to(dtype), values.flatten(2, 3).to(dtype)
 
@@ -77,37 +93,30 @@ class PagedCache:
 class PagedGateKeys:
     """The gate's pooled keys kept beside vLLM's paged cache, so a decode step never reads a whole sequence.
 
-    Each page is cut into units of gcd(MoBA block, page size) tokens; per unit and KV head it holds what the
-    pooling reduces (the sum of the keys for "mean", their max for "max" / "bound", both for "mean+max"), in
-    float32, (num_pages, kv_heads, units_per_page, width). A MoBA block's pooled key combines its units, so the
-    block size and the page size are independent. `update` recomputes the pages a cache write touched; a unit
-    is right once its last token is written, which every block before a query's own is (the own block's pooled
-    key is never scored). Pages shared by the prefix cache keep their content, hence their summaries.
+    Each page is cut into units of gcd(MoBA block, page size) tokens; per unit and KV head it holds the pooling's
+    statistics (`kernels.pooling.BlockStats`) in float32, (num_pages, kv_heads, units_per_page, width). A MoBA
+    block's pooled key merges its units, so the block size and the page size are independent. `update`
+    recomputes the pages a cache write touched; a unit is right once its last token is written, which every
+    block before a query's own is (the own block's pooled key is never scored). Pages shared by the prefix
+    cache keep their content, hence their statistics.
     """
 
     def __init__(self, key_cache: torch.Tensor, block_size: int, pooling: str) -> None:
-        num_pages, hkv, d, page_size = key_cache.shape
-        self.block_size, self.pooling = block_size, pooling
+        num_pages, hkv, page_size, d = key_cache.shape
+        self.block_size = block_size
         self.unit = math.gcd(block_size, page_size)
         self.dtype = gate_dtype(key_cache.dtype)
-        width = gate_width(d, pooling)
-        self.stats = torch.zeros(num_pages, hkv, page_size // self.unit, width, dtype=self.dtype)
+        self.pool = BlockStats.of(pooling, d)
+        self.stats = torch.zeros(num_pages, hkv, page_size // self.unit, self.pool.width, dtype=self.dtype)
 
     def update(self, key_cache: torch.Tensor, pages: torch.Tensor) -> None:
-        """Recompute the summaries of `pages` (long, unique) from the cache."""
-        keys = key_cache.index_select(0, pages).transpose(2, 3).to(self.dtype)  # (P, Hkv, page, D)
-        features = gate_features(keys, self.pooling)
-        units = features.unflatten(2, (-1, self.unit))  # (P, Hkv, units, unit, features)
-        parts = []
-        if self.pooling in ("mean", "mean+max"):
-            parts.append(units.sum(dim=3))
-        if self.pooling in ("max", "mean+max", "bound"):
-            parts.append(units.amax(dim=3))
-        self.stats.index_copy_(0, pages, parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
+        """Recompute the statistics of `pages` (long, unique) from the cache (a layout's key view)."""
+        keys = key_cache.index_select(0, pages).to(self.dtype)  # (P, Hkv, page, D)
+        self.stats.index_copy_(0, pages, self.pool.reduce_blocks(keys, self.unit))
 
     def block_keys(self, pages: torch.Tensor, length: int) -> torch.Tensor:
         """Pooled keys (1, Hkv, n_blocks, width) of a sequence of `length` tokens in `pages`, as
-        `kernels.common.pooled_keys` gives them for every block before the last; the last (the decode
+        `kernels.pooling.pooled_keys` gives them for every block before the last; the last (the decode
         query's own block) is zeros."""
         hkv, units_per_page, width = self.stats.shape[1:]
         before = (length - 1) // self.block_size  # complete blocks before the query's own
@@ -118,13 +127,8 @@ class PagedGateKeys:
         needed_pages = -(-before * per_block // units_per_page)
         units = self.stats.index_select(0, pages[:needed_pages]).transpose(0, 1).flatten(1, 2)  # (Hkv, units, W)
         units = units[:, : before * per_block].unflatten(1, (before, per_block))
-        if self.pooling == "mean":
-            keys = units.sum(dim=2) / self.block_size
-        elif self.pooling == "mean+max":
-            half = width // 2
-            keys = torch.cat([units[..., :half].sum(dim=2) / self.block_size, units[..., half:].amax(dim=2)], -1)
-        else:
-            keys = units.amax(dim=2)
+        count = torch.tensor(float(self.block_size), dtype=self.dtype)
+        keys = self.pool.pooled(self.pool.merge(units, 2), count)
         return torch.cat([keys[None], own], dim=2)
 
 
@@ -142,11 +146,8 @@ def dense_decodes(query_lens: Sequence[int], config: MobaConfig) -> list[int]:
 
 
 @dataclasses.dataclass(frozen=True)
-class PagedDca:
-    """DCA for the paged path: resolved c, s, temperature, and the model's RoPE inverse frequencies [D / 2]."""
-
-    params: DcaParams
-    inv_freq: torch.Tensor
+class PagedDca(core.Dca):
+    """DCA for the paged path: `core.Dca` and the moves of vLLM's flat runs of new tokens to their DCA positions."""
 
     def deltas(self, query_start_loc: Sequence[int], seq_lens: Sequence[int]) -> torch.Tensor:
         """(tokens,) int64: how far each new token moves, from its index p in its sequence to p mod s.
@@ -190,8 +191,8 @@ def moba_paged(
     """Write attention of every sequence's queries into `output`, in place.
 
     query: (tokens, q_heads, D); key, value: (tokens, kv_heads, D), the new tokens (already in the cache);
-    key_cache: (num_pages, kv_heads, D, page_size), value_cache: (num_pages, kv_heads, page_size, D), vLLM's CPU
-    layout; output: (tokens, q_heads, D);
+    key_cache, value_cache: (num_pages, kv_heads, page_size, D), a layout's views (`LAYOUTS`) of vLLM's cache;
+    output: (tokens, q_heads, D);
     query_start_loc: (num_seqs + 1,) token offsets; seq_lens: (num_seqs,) keys per sequence including the new
     ones; block_table: (num_seqs, max_pages). skip: sequences (indices) the caller computes (decode steps it
     runs on vLLM's dense kernel). dense: causal attention (with DCA: dense DCA) instead of MoBA.
@@ -205,33 +206,20 @@ def moba_paged(
         nq, length = end - start, int(length)
         if nq == 0 or i in skip:
             continue
-        dense_here = dense or (is_decode(nq) and config.decode == "full")
-        if gate_keys is not None and is_decode(nq) and not dense_here and dca is None:
+        q = query[start:end].transpose(0, 1).unsqueeze(0)
+        route = core.path(config, nq, length, dense_layer=dense, dca=dca)
+        if gate_keys is not None and is_decode(nq) and route == "moba" and dca is None:
             pages = block_table[i].long()
-            q = query[start:end].transpose(0, 1).unsqueeze(0)
-            out = moba_decode_cache(
-                q, PagedCache(key_cache, value_cache, pages, length), gate_keys.block_keys(pages, length),
-                block_size=config.block_size, top_k=config.top_k, gate=config.gate, scale=scale,
-            )  # fmt: skip
+            cache = PagedCache(key_cache, value_cache, pages, length)
+            out = core.decode(q, cache, gate_keys.block_keys(pages, length), config, scale)
             output[start:end] = out[0].transpose(0, 1).to(output.dtype)
             continue
         if nq == length:  # nothing cached before these tokens: read them directly
             k = key[start:end].transpose(0, 1)
             v = value[start:end].transpose(0, 1)
         else:
-            k = gather_sequence(key_cache, block_table[i], length, transposed=True)
+            k = gather_sequence(key_cache, block_table[i], length)
             v = gather_sequence(value_cache, block_table[i], length)
-        q = query[start:end].transpose(0, 1).unsqueeze(0)
         k, v = k.unsqueeze(0).to(q.dtype), v.unsqueeze(0).to(q.dtype)
-        if dca is not None and length > dca.params.chunk_size:  # within one chunk DCA changes nothing
-            p = dca.params
-            moba = {} if dense_here else config.prefill_kwargs(nq)
-            out = dca_attention(
-                q, k, v, pretraining_length=p.pretraining_length, chunk_size=p.chunk_size, inv_freq=dca.inv_freq,
-                scale=scale, temperature=p.temperature_factor(length), **moba,
-            )  # fmt: skip
-        elif dense_here:
-            out = causal_attention(q, k, v, scale=scale)
-        else:
-            out = moba_attention(q, k, v, scale=scale, backend=config.backend, **config.prefill_kwargs(nq))
+        out = core.attend(q, k, v, config, scale, route, dca)
         output[start:end] = out[0].transpose(0, 1).to(output.dtype)

@@ -18,7 +18,7 @@ import os
 from typing import Any
 
 from ..config import MobaConfig, read_config_file
-from ..integration import dca as dca_hf
+from ..integration import rope_remap
 from ..integration.support import check_supported, rope_type
 from ..options import KV_CACHE_DTYPES, kv_cache_dtype
 from .paged import PagedDca
@@ -52,7 +52,7 @@ def _source(vllm_config: Any) -> tuple[Any, str] | None:
     raw = getattr(model_config.hf_config, "moba_config", None)
     if raw is not None:
         return raw, "the checkpoint's config.json moba_config"
-    if dca_hf.qwen_dca_block(model_config.hf_text_config) is not None:
+    if rope_remap.qwen_dca_block(model_config.hf_text_config) is not None:
         return {"sparse": False}, QWEN_DCA_SOURCE  # dca=None reads the block, as the transformers path does
     return None
 
@@ -77,7 +77,7 @@ def resolve(vllm_config: Any) -> tuple[MobaConfig, dict[str, Any], str] | None:
 
 def _dca_on(config: MobaConfig, hf_config: Any) -> bool:
     """DCA from the MoBA config, or (none there) from the checkpoint's dual_chunk_attention_config."""
-    return config.dca is not False and (config.dca is not None or dca_hf.qwen_dca_block(hf_config) is not None)
+    return config.dca is not False and (config.dca is not None or rope_remap.qwen_dca_block(hf_config) is not None)
 
 
 def check(vllm_config: Any, config: MobaConfig, serving: dict[str, Any], where: str) -> frozenset[int]:
@@ -158,7 +158,7 @@ def dca_setup(vllm_config: Any, config: MobaConfig, where: str) -> PagedDca | No
             f"is {rope!r}. Serve it without DCA (dca = false) or use the transformers path"
         )
     try:
-        resolved = dca_hf.resolve(config.dca, hf_config, config.block_size if config.sparse else None)
+        resolved = rope_remap.resolve(config.dca, hf_config, config.block_size if config.sparse else None)
     except ValueError as err:
         raise MobaSetupError(f"moba_hf: DCA (from {where}): {err}") from None
     # vLLM rotates q and k at their absolute positions from a table of max_position_embeddings rows before
@@ -179,7 +179,7 @@ def dca_setup(vllm_config: Any, config: MobaConfig, where: str) -> PagedDca | No
             f"--hf-overrides raises to {resolved.pretraining_length}; set pretraining_length (c, the longest "
             "distance the model handles) in the DCA config"
         )
-    return PagedDca(resolved, dca_hf.config_inv_freq(hf_config))
+    return PagedDca(resolved, rope_remap.config_inv_freq(hf_config))
 
 
 def describe(config: MobaConfig, dense: frozenset[int], where: str, dca: PagedDca | None = None) -> str:

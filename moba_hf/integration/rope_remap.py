@@ -5,7 +5,7 @@ transformers rotates q and k at their absolute positions p and appends k to the 
 attention function runs, and hands us the cache's own key tensor (DynamicCache). So `remap_fresh` moves
 the newly written keys, in place, from p to ``j mod s`` with one relative rotation (rotations compose):
 every key is rotated exactly once, on the step that writes it, and the cache then holds DCA keys for all
-later steps. Queries are moved (out of place) to ``i mod s``; `attend` derives the other two variants.
+later steps. Queries are moved (out of place) to ``i mod s``; the core (`core.attend`) derives the other two variants.
 ``i`` and ``j`` count tokens from the start of each sequence, so left padding and packed rows remap
 like the unpadded sequence. Caches that return copies (quantized / offloaded-to-copy caches) would lose
 the in-place remap: use the default DynamicCache.
@@ -13,16 +13,14 @@ the in-place remap: use the default DynamicCache.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from .. import core
 from ..dca.config import DcaConfig, DcaParams, check_block_multiple, check_chunk, default_chunk_size
-from ..kernels.dca import dca_attention
 from ..kernels.rope import rotate
-from . import sparsity
 from .layout import sequence_spans
 from .support import check_dca_rope, family_of, rope_parameters
 
@@ -109,39 +107,6 @@ def drop_cached_frequencies(model: torch.nn.Module) -> None:
         module.__dict__.pop(_INV_FREQ_ATTR, None)
 
 
-@dataclasses.dataclass(frozen=True)
-class DcaRun:
-    """DCA for one call of the attention function: resolved parameters and the model's frequencies."""
-
-    params: DcaParams
-    inv_freq: torch.Tensor
-
-    def applies(self, num_keys: int) -> bool:
-        """DCA changes nothing while a sequence fits in one chunk: the plain path then runs (bit-exact)."""
-        return num_keys > self.params.chunk_size
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        config: Any,
-        scale: float | None,
-        dense: bool,
-        layer: int | None,
-    ) -> torch.Tensor:
-        """q, k remapped by `remap_fresh` ([B, Hq, Nq, D], [B, Hkv, Nk, D]); config: the MobaConfig."""
-        p = self.params
-        nk = k.shape[2]
-        moba = {} if dense else config.prefill_kwargs(q.shape[2])
-        # DCA's gate mixes query variants, but the rule (and so the count) is MoBA's
-        sparsity.record_attention(layer, q, nk, "dca" if dense else "dca+moba", None if dense else config)
-        return dca_attention(
-            q, k, v, pretraining_length=p.pretraining_length, chunk_size=p.chunk_size, inv_freq=self.inv_freq,
-            scale=scale, temperature=p.temperature_factor(nk), **moba,
-        )  # fmt: skip
-
-
 def remap_fresh(
     module: torch.nn.Module,
     params: DcaParams,
@@ -149,12 +114,12 @@ def remap_fresh(
     key: torch.Tensor,
     padding_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None,
-) -> tuple[torch.Tensor, DcaRun]:
+) -> tuple[torch.Tensor, core.Dca]:
     """Move the fresh keys (the last Nq of `key`, in place) and the queries to their DCA positions.
 
     params: `resolve`'s answer for the model; query: [B, Hq, Nq, D], key: [B, Hkv, Nk, D] as transformers hands
     them over (rotated at position_ids); padding_mask: the 2-D mask the "moba" mask function prepared (None: no
-    padding). Returns the moved query and the DcaRun that attends with it.
+    padding). Returns the moved query and the `core.Dca` it attends with.
     """
     b, nq, nk = query.shape[0], query.shape[2], key.shape[2]
     first = nk - nq
@@ -181,4 +146,4 @@ def remap_fresh(
         work = torch.float64 if query.dtype == torch.float64 else torch.float32  # one rounding back to the dtype
         key[:, :, first:] = rotate(key[:, :, first:], delta, inv_freq, work).to(key.dtype)  # the cache's own tensor
         query = rotate(query, delta, inv_freq, work).to(query.dtype)
-    return query, DcaRun(params, inv_freq)
+    return query, core.Dca(params, inv_freq)

@@ -21,26 +21,14 @@ from collections.abc import Iterator
 
 import torch
 
-from .common import (
-    DEFAULT_GATE,
-    GateOptions,
-    all_finite,
-    causal_attention,
-    check_count,
-    check_inputs,
-    check_moba_args,
-    choose_blocks,
-    gate_dtype,
-    gate_scores,
-    has_nonfinite,
-    num_blocks,
-    pooled_keys,
-    propagate_nonfinite,
-    with_dense_tail,
-)
-from .dca_positions import INTER, INTRA, SUCCESSIVE, query_positions
+from .causal import causal_attention, with_dense_tail
+from .checks import check_count, check_inputs, check_moba_args, gate_dtype, num_blocks
 from .dense import attention_with_lse, fused_available, merge_lse_, merge_partials, partial_attention
+from .dual_chunk_positions import INTER, INTRA, SUCCESSIVE, query_positions
+from .nonfinite import all_finite, has_nonfinite, propagate_nonfinite
+from .pooling import pooled_keys
 from .rope import rotate
+from .selection import DEFAULT_GATE, GateOptions, choose_blocks, gate_scores
 from .torch_impl import attention_with_query_variants
 
 # elements of one score tile [B, Hq, T, Nk]: bounds the memory of a prefill (2**27 float32 = 512 MiB)
@@ -213,7 +201,7 @@ def dca_attention(
     def whole_selection() -> torch.Tensor | None:
         return None if gate is None else dca_selected_blocks(variants, k, **moba)
 
-    if has_nonfinite(q, v):  # the kernels' NaN / inf rule (see kernels.common.propagate_nonfinite)
+    if has_nonfinite(q, v):  # the kernels' NaN / inf rule (see kernels.nonfinite.propagate_nonfinite)
         args = dict(pretraining_length=pretraining_length, chunk_size=chunk_size, inv_freq=inv_freq, scale=scale,
                     temperature=temperature, block_size=block_size, top_k=top_k, pooling=pooling,
                     sink_blocks=sink_blocks, local_blocks=local_blocks)  # fmt: skip
