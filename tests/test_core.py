@@ -127,6 +127,9 @@ def test_block_stats_give_pooled_keys_however_the_keys_are_cut(pooling):
     torch.testing.assert_close(pool.pooled(running, counts), expected, rtol=0, atol=1e-14)
     scattered = pool.scattered(pool.empty(2, 3, 3, dtype=torch.float64, device="cpu"), 2, torch.arange(24) // 8, k)
     torch.testing.assert_close(pool.pooled(scattered, counts), expected, rtol=0, atol=1e-14)
-    # an empty block pools to zeros
-    empty = pool.pooled(pool.empty(1, 1, 1, dtype=torch.float64, device="cpu"), torch.zeros(1))
-    assert torch.equal(empty, torch.zeros_like(empty))
+    # one count for every block (as int) == the same count per block (as tensor), bit for bit
+    assert torch.equal(pool.pooled(scattered, 8), pool.pooled(scattered, counts))
+    # an empty block pools to zeros, whichever way its count is given
+    for none in (torch.zeros(1), 0):
+        empty = pool.pooled(pool.empty(1, 1, 1, dtype=torch.float64, device="cpu"), none)
+        assert torch.equal(empty, torch.zeros_like(empty))

@@ -12,7 +12,7 @@ from engines import MAX_MODEL_LEN, model_path
 
 from moba_hf import MobaConfig
 from moba_hf.dca.config import DcaParams
-from moba_hf.vllm import backend, settings
+from moba_hf.vllm import routing, settings
 
 ROOT = Path(__file__).resolve().parents[1]
 HQ, HKV, D = 6, 2, 64
@@ -28,22 +28,22 @@ def vllm_config(model: str | None = None, **kwargs):
 
 def test_no_moba_config_leaves_vllm_alone(monkeypatch):
     monkeypatch.delenv(settings.ENV, raising=False)
-    assert backend._setup(vllm_config()) is None
+    assert routing.setup(vllm_config()) is None
 
 
 def test_sources_and_precedence(monkeypatch):
     monkeypatch.setenv(settings.ENV, "training-free")
-    config, dense, dca = backend._setup(vllm_config())
+    config, dense, dca = routing.setup(vllm_config())
     preset = MobaConfig.preset("training-free")
     assert config == preset and dense == preset.full_layer_set(30) and dca is None
-    config, dense, _ = backend._setup(vllm_config(hf_overrides={"moba_config": {"block_size": 256, "top_k": 2}}))
+    config, dense, _ = routing.setup(vllm_config(hf_overrides={"moba_config": {"block_size": 256, "top_k": 2}}))
     assert config == MobaConfig(block_size=256, top_k=2) and dense == frozenset()
 
 
 @pytest.mark.parametrize("name", ["long_doc", "chat", "code"])
 def test_serving_configs(name, monkeypatch):
     monkeypatch.setenv(settings.ENV, str(ROOT / "configs" / f"serving_{name}.toml"))
-    config, dense, _ = backend._setup(vllm_config())
+    config, dense, _ = routing.setup(vllm_config())
     expected = {
         "long_doc": (MobaConfig(block_size=4096, top_k=4, full_attn_layers=2, decode="full"), {28, 29}),
         "chat": (MobaConfig(block_size=2048, top_k=3, decode="full"), set()),
@@ -81,13 +81,13 @@ def test_refusals(case, monkeypatch):
     monkeypatch.delenv(settings.ENV, raising=False)
     kwargs, message = REFUSALS[case]
     with pytest.raises(settings.MobaSetupError, match=message):
-        backend._setup(vllm_config(**kwargs))
+        routing.setup(vllm_config(**kwargs))
 
 
 def test_refuses_unknown_preset(monkeypatch):
     monkeypatch.setenv(settings.ENV, "no-such-preset")
     with pytest.raises(settings.MobaSetupError, match="neither a preset"):
-        backend._setup(vllm_config())
+        routing.setup(vllm_config())
 
 
 def test_refuses_server_file_limits(monkeypatch, tmp_path):
@@ -95,7 +95,7 @@ def test_refuses_server_file_limits(monkeypatch, tmp_path):
     path.write_text("block_size = 256\ntop_k = 3\nmax_context_tokens = 2048\n")
     monkeypatch.setenv(settings.ENV, str(path))
     with pytest.raises(settings.MobaSetupError, match="max_context_tokens=2048"):
-        backend._setup(vllm_config())
+        routing.setup(vllm_config())
 
 
 @pytest.mark.parametrize("spelling", ["fp16", "float16", "half", "FP16"])
@@ -103,8 +103,8 @@ def test_server_file_kv_cache_dtype_spellings_match_vllm_flags(spelling, monkeyp
     path = tmp_path / "server.toml"
     path.write_text(f'[attention]\ntype = "moba"\nblock_size = 256\n[attention.kv_cache]\ndtype = "{spelling}"\n')
     monkeypatch.setenv(settings.ENV, str(path))
-    assert backend._setup(vllm_config(dtype="float16")) is not None  # the KV cache follows --dtype (auto)
-    assert backend._setup(vllm_config(dtype="half", kv_cache_dtype="float16")) is not None
+    assert routing.setup(vllm_config(dtype="float16")) is not None  # the KV cache follows --dtype (auto)
+    assert routing.setup(vllm_config(dtype="half", kv_cache_dtype="float16")) is not None
 
 
 def test_kv_cache_dtype_refusal_names_flags_vllm_accepts(monkeypatch, tmp_path):
@@ -117,11 +117,11 @@ def test_kv_cache_dtype_refusal_names_flags_vllm_accepts(monkeypatch, tmp_path):
     path.write_text('{"block_size": 256, "kv_cache_dtype": "bf16"}')
     monkeypatch.setenv(settings.ENV, str(path))
     with pytest.raises(settings.MobaSetupError, match="asks for kv_cache_dtype='bfloat16'") as refused:
-        backend._setup(vllm_config())  # float32 model, cache auto
+        routing.setup(vllm_config())  # float32 model, cache auto
     flags = dict(re.findall(r"(--dtype|--kv-cache-dtype) ([\w.]+)", str(refused.value).split("start vLLM with")[1]))
     assert flags["--dtype"] == "bfloat16" and flags["--dtype"] in get_args(ModelDType)
     assert flags["--kv-cache-dtype"] in get_args(CacheDType)
-    assert backend._setup(vllm_config(dtype=flags["--dtype"], kv_cache_dtype=flags["--kv-cache-dtype"])) is not None
+    assert routing.setup(vllm_config(dtype=flags["--dtype"], kv_cache_dtype=flags["--kv-cache-dtype"])) is not None
 
 
 def test_refuses_unsupported_architecture(monkeypatch, tmp_path):
@@ -129,7 +129,7 @@ def test_refuses_unsupported_architecture(monkeypatch, tmp_path):
     path = model_dir(tmp_path, model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=None)
     message = "supports LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM; this checkpoint is MistralForCausalLM"
     with pytest.raises(settings.MobaSetupError, match=message):
-        backend._setup(vllm_config(path))
+        routing.setup(vllm_config(path))
 
 
 def test_refuses_max_model_len_past_the_rope_table(monkeypatch, tmp_path):
@@ -138,10 +138,10 @@ def test_refuses_max_model_len_past_the_rope_table(monkeypatch, tmp_path):
     path = model_dir(tmp_path, max_position_embeddings=2048)
     message = "max_model_len=4096 needs RoPE positions up to 4095, but vLLM's RoPE table covers max_position_embeddings"
     with pytest.raises(settings.MobaSetupError, match=re.escape(message)):
-        backend._setup(vllm_config(path, hf_overrides={"moba_config": {"block_size": 128}}))
+        routing.setup(vllm_config(path, hf_overrides={"moba_config": {"block_size": 128}}))
     # raising the table through --hf-overrides is accepted
     raised = {"moba_config": {"block_size": 128}, "max_position_embeddings": 4096}
-    assert backend._setup(vllm_config(path, hf_overrides=raised)) is not None
+    assert routing.setup(vllm_config(path, hf_overrides=raised)) is not None
 
 
 def test_refuses_sliding_window(monkeypatch, tmp_path):
@@ -151,7 +151,7 @@ def test_refuses_sliding_window(monkeypatch, tmp_path):
         sliding_window=1024, max_window_layers=0,
     )  # fmt: skip
     with pytest.raises(settings.MobaSetupError, match="sliding"):
-        backend._setup(vllm_config(path))
+        routing.setup(vllm_config(path))
 
 
 # --- Dual Chunk Attention: where the engine finds it, and what it refuses ------------------------------------------
@@ -174,22 +174,22 @@ def test_dca_from_the_moba_config(monkeypatch):
 
     monkeypatch.delenv(settings.ENV, raising=False)
     moba = {"sparse": False, "dca": {"pretraining_length": 1024, "temperature": True}}
-    setup = backend._setup(vllm_config(hf_overrides={"moba_config": moba}))
+    setup = routing.setup(vllm_config(hf_overrides={"moba_config": moba}))
     assert setup.dca.params == DcaParams(pretraining_length=1024, chunk_size=896, temperature=True)
     model = AutoConfig.from_pretrained(model_path())
     head_dim = model.hidden_size // model.num_attention_heads
     want = 1.0 / model.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim)
     torch.testing.assert_close(setup.dca.inv_freq, want)
     moba = {"block_size": 128, "top_k": 2, "dca": {"pretraining_length": 1024}}
-    assert backend._setup(vllm_config(hf_overrides={"moba_config": moba})).dca.params.chunk_size == 896
+    assert routing.setup(vllm_config(hf_overrides={"moba_config": moba})).dca.params.chunk_size == 896
 
 
 def test_qwen_dual_chunk_attention_config_turns_dense_dca_on(monkeypatch, tmp_path):
     monkeypatch.delenv(settings.ENV, raising=False)
     path = qwen_dir(tmp_path, dual_chunk_attention_config=QWEN_DCA)
-    config, dense, dca = backend._setup(vllm_config(path))
+    config, dense, dca = routing.setup(vllm_config(path))
     assert config == MobaConfig(sparse=False) and dca.params == DcaParams(pretraining_length=1024, chunk_size=896)
-    off = backend._setup(vllm_config(path, hf_overrides={"moba_config": {"block_size": 128, "dca": False}}))
+    off = routing.setup(vllm_config(path, hf_overrides={"moba_config": {"block_size": 128, "dca": False}}))
     assert off.dca is None and off.config.sparse
 
 
@@ -197,7 +197,7 @@ def test_dca_accepts_llama3_rope(monkeypatch, tmp_path):
     monkeypatch.delenv(settings.ENV, raising=False)
     path = model_dir(tmp_path, rope_scaling=LLAMA3_ROPE)
     moba = {"sparse": False, "dca": {"pretraining_length": 1024}}
-    assert backend._setup(vllm_config(path, hf_overrides={"moba_config": moba})).dca is not None
+    assert routing.setup(vllm_config(path, hf_overrides={"moba_config": moba})).dca is not None
 
 
 def test_dca_past_the_window_with_a_raised_rope_table(monkeypatch):
@@ -205,7 +205,7 @@ def test_dca_past_the_window_with_a_raised_rope_table(monkeypatch):
     monkeypatch.delenv(settings.ENV, raising=False)
     moba = {"sparse": False, "dca": {"pretraining_length": 4096, "temperature": True}}
     overrides = {"max_position_embeddings": 16384, "moba_config": moba}
-    setup = backend._setup(vllm_config(hf_overrides=overrides, max_model_len=16384))
+    setup = routing.setup(vllm_config(hf_overrides=overrides, max_model_len=16384))
     assert setup.dca.params == DcaParams(pretraining_length=4096, chunk_size=3584, temperature=True)
 
 
@@ -253,7 +253,7 @@ def test_dca_refusals(case, monkeypatch, tmp_path):
     checkpoint, kwargs, message = DCA_REFUSALS[case]
     path = model_dir(tmp_path, **checkpoint) if checkpoint else None
     with pytest.raises(settings.MobaSetupError, match=re.escape(message)):
-        backend._setup(vllm_config(path, **kwargs))
+        routing.setup(vllm_config(path, **kwargs))
 
 
 def test_plain_rope_replaces_dual_chunk_rope():

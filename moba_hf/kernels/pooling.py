@@ -137,15 +137,22 @@ class BlockStats:
             parts.append(stats[..., split:].scatter_reduce(dim, where, features, "amax"))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
-    def pooled(self, stats: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Pooled keys from statistics [..., width] of `counts` keys each (counts broadcast against stats[..., 0];
-        float): the mean part divided by the count, the max part zero where there is no key."""
+    def pooled(self, stats: torch.Tensor, counts: torch.Tensor | int) -> torch.Tensor:
+        """Pooled keys from statistics [..., width] of `counts` keys each (a float tensor broadcast against
+        stats[..., 0], or one int for all): the mean part divided by the count, the max part zero where there is
+        no key."""
         split = self._split
         parts = []
-        if self.sums:
-            parts.append(stats[..., :split] / counts.clamp(min=1)[..., None])
-        if self.maxes:
-            parts.append(stats[..., split:].masked_fill((counts == 0)[..., None], 0.0))
+        if isinstance(counts, int):  # one count (whole blocks): no per-entry mask
+            if self.sums:
+                parts.append(stats[..., :split] / max(counts, 1))
+            if self.maxes:
+                parts.append(stats[..., split:] if counts else torch.zeros_like(stats[..., split:]))
+        else:
+            if self.sums:
+                parts.append(stats[..., :split] / counts.clamp(min=1)[..., None])
+            if self.maxes:
+                parts.append(stats[..., split:].masked_fill((counts == 0)[..., None], 0.0))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     def pool_into(self, stats: torch.Tensor, count: int, out: torch.Tensor) -> None:

@@ -20,7 +20,6 @@ from vllm.v1.attention.backends.cpu_attn import (
 from . import settings
 from .paged import cpu_layout, gather_sequence
 from .routing import MobaBuilderMixin, MobaFields, MobaImplMixin
-from .routing import setup as _setup  # noqa: F401 (the name test_startup.py checks the setup under)
 
 __all__ = [
     "MobaAttentionBackend",

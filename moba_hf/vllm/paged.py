@@ -107,7 +107,8 @@ class PagedGateKeys:
         self.unit = math.gcd(block_size, page_size)
         self.dtype = gate_dtype(key_cache.dtype)
         self.pool = BlockStats.of(pooling, d)
-        self.stats = torch.zeros(num_pages, hkv, page_size // self.unit, self.pool.width, dtype=self.dtype)
+        shape = (num_pages, hkv, page_size // self.unit, self.pool.width)
+        self.stats = torch.zeros(shape, dtype=self.dtype, device=key_cache.device)
 
     def update(self, key_cache: torch.Tensor, pages: torch.Tensor) -> None:
         """Recompute the statistics of `pages` (long, unique) from the cache (a layout's key view)."""
@@ -127,8 +128,7 @@ class PagedGateKeys:
         needed_pages = -(-before * per_block // units_per_page)
         units = self.stats.index_select(0, pages[:needed_pages]).transpose(0, 1).flatten(1, 2)  # (Hkv, units, W)
         units = units[:, : before * per_block].unflatten(1, (before, per_block))
-        count = torch.tensor(float(self.block_size), dtype=self.dtype)
-        keys = self.pool.pooled(self.pool.merge(units, 2), count)
+        keys = self.pool.pooled(self.pool.merge(units, 2), self.block_size)
         return torch.cat([keys[None], own], dim=2)
 
 

@@ -213,9 +213,7 @@ class MobaImplMixin:
         if self._gate_keys is None or self._gate_keys[0] != kv_cache.data_ptr():
             # first write, or a cache vLLM allocated anew (after its profiling run): nothing in it yet
             key_cache = type(self).layout(kv_cache)[0]
-            pooled = PagedGateKeys(key_cache, self.moba.block_size, self.moba.pooling)
-            pooled.stats = pooled.stats.to(key_cache.device)  # PagedGateKeys allocates on the CPU
-            self._gate_keys = (kv_cache.data_ptr(), pooled)
+            self._gate_keys = (kv_cache.data_ptr(), PagedGateKeys(key_cache, self.moba.block_size, self.moba.pooling))
         return self._gate_keys[1]
 
     def _dca_on(self, device: torch.device) -> PagedDca:
