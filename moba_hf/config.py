@@ -34,6 +34,12 @@ def _check_int(name: str, value: Any, low: int) -> None:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
+def _check_top_p(value: Any) -> None:
+    # a real number in (0, 1]; NaN fails the comparison (bool is an int, not a share)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1):
+        raise ValueError(f"top_p must be None (a fixed top_k budget) or a number in (0, 1], got {value!r}")
+
+
 def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
@@ -64,6 +70,12 @@ class MobaConfig:
                          over the block's keys, from each channel's max and min).
     sink_blocks:         always attend the first n blocks, on top of the top_k selection.
     local_blocks:        always attend the n blocks before the current one, on top of the top_k selection.
+    top_p:               None: a fixed budget, every query takes its top_k - 1 best earlier blocks. A number
+                         in (0, 1]: an adaptive budget, each query takes the fewest best-scoring blocks that,
+                         with its sink and local blocks, cover this share of the gate's softmax (score /
+                         sqrt(head_dim) over the earlier blocks it may attend), at most top_k counting its own
+                         (1.0: the whole mass, i.e. the fixed budget). Measure its sparsity (track_sparsity).
+    min_top_k:           with top_p, the fewest blocks each query attends, counting its own (1..top_k).
     dense_tail:          the last n queries of every call that brings more than one new token (a prompt, or a
                          chunk of one) attend every earlier key, densely; the rest of the call stays sparse. The
                          end of a prompt usually holds the question, which needs to see the whole context.
@@ -82,6 +94,8 @@ class MobaConfig:
     pooling: str = "mean"
     sink_blocks: int = 0
     local_blocks: int = 0
+    top_p: float | None = None
+    min_top_k: int = 1
     dense_tail: int = 0
     sparse: bool = True
     dca: DcaConfig | bool | None = None
@@ -93,6 +107,10 @@ class MobaConfig:
         _check_int("sink_blocks", self.sink_blocks, 0)
         _check_int("local_blocks", self.local_blocks, 0)
         _check_int("dense_tail", self.dense_tail, 0)
+        _check_top_p(self.top_p)
+        _check_int("min_top_k", self.min_top_k, 1)
+        if self.min_top_k > self.top_k:
+            raise ValueError(f"min_top_k must be between 1 and top_k ({self.top_k}), got {self.min_top_k}")
         _check_choice("decode", self.decode, DECODE_MODES)
         _check_backend(self.backend)
         _check_choice("pooling", self.pooling, POOLINGS)
@@ -125,7 +143,7 @@ class MobaConfig:
         """The gate's pooling and forced blocks, as the kernels take them."""
         from .kernels.selection import GateOptions
 
-        return GateOptions(self.pooling, self.sink_blocks, self.local_blocks)
+        return GateOptions(self.pooling, self.sink_blocks, self.local_blocks, self.top_p, self.min_top_k)
 
     def kernel_kwargs(self) -> dict[str, Any]:
         """The MoBA keywords shared by the kernels' public functions (`moba_attention`, `moba_decode`,
@@ -168,7 +186,8 @@ class MobaConfig:
         Exact for the block layout: each query attends its own block causally plus up to
         `top_k - 1` full earlier blocks (sink and local blocks included in the count, assuming the
         gate picks other blocks), and the last `dense_tail` queries attend every earlier key.
-        Full-attention layers are not counted here.
+        Full-attention layers are not counted here. With `top_p` this is the fewest pairs skipped (every query
+        at its top_k); the adaptive budget's own figure is measured (`moba_hf.track_sparsity`).
         """
         _check_int("seq_len", seq_len, 1)
         if not self.sparse:

@@ -22,10 +22,10 @@ import torch
 
 from .config import MobaConfig
 from .dca.config import DcaParams
-from .kernels import moba_attention
+from .kernels import moba_attention, selected_blocks
 from .kernels.causal import causal_attention_unchecked
 from .kernels.decode import CacheWindows, moba_decode, moba_decode_cache
-from .kernels.dual_chunk import dca_attention
+from .kernels.dual_chunk import dca_attention, dca_selection
 
 Path = Literal["sdpa", "moba", "dca", "dca+moba"]
 
@@ -82,6 +82,18 @@ def attend(
     return moba_attention(q, k, v, scale=scale, backend=config.backend, **config.prefill_kwargs(nq))
 
 
+def selection(q: torch.Tensor, k: torch.Tensor, config: MobaConfig, dca: Dca | None = None) -> torch.Tensor:
+    """The blocks the "moba" (or, with `dca`, "dca+moba") path lets each query attend: bool [B, Hq, Nq,
+    n_blocks], before any dense tail. What sparsity tracking counts when the budget is adaptive (`top_p`)."""
+    gate = dict(block_size=config.block_size, top_k=config.top_k, gate=config.gate)
+    if dca is None:
+        return selected_blocks(q, k, **gate)
+    p = dca.params
+    return dca_selection(
+        q, k, pretraining_length=p.pretraining_length, chunk_size=p.chunk_size, inv_freq=dca.inv_freq, **gate
+    )
+
+
 def decode(
     q: torch.Tensor,
     cache: CacheWindows | tuple[torch.Tensor, torch.Tensor],
@@ -101,8 +113,7 @@ def decode(
         k, v = cache
         return moba_decode(
             q, k, v, block_keys, scale=scale, starts=starts, return_selection=return_selection,
-            block_size=config.block_size, top_k=config.top_k, pooling=config.pooling,
-            sink_blocks=config.sink_blocks, local_blocks=config.local_blocks,
+            **config.kernel_kwargs(),
         )  # fmt: skip
     if starts is not None or return_selection:
         raise ValueError("decode over a windowed cache takes rows that start at position 0 and returns no selection")

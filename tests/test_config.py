@@ -497,3 +497,12 @@ def test_a_registered_backend_is_a_valid_name():
         assert MobaConfig(backend="config-test").backend == "config-test"
     finally:
         kernels._REGISTRY.pop("config-test")
+
+
+def test_readme_field_table_lists_every_field():
+    import dataclasses
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme.split("| field | default | meaning |", 1)[1].split("\n\n")[0]
+    assert set(re.findall(r"^\| `(\w+)` \|", table, re.M)) == {f.name for f in dataclasses.fields(MobaConfig)}

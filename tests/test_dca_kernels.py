@@ -319,14 +319,23 @@ def test_dca_moba_matches_moba_on_remapped_scores(case):
 
 
 @pytest.mark.parametrize(
-    "sink,local,pooling", [(0, 0, "mean"), (1, 0, "mean"), (0, 1, "mean"), (1, 2, "mean"), (0, 1, "bound")]
-)
-def test_dca_moba_in_one_chunk_equals_moba_reference(sink, local, pooling):
+    "sink,local,pooling,top_p",
+    [(0, 0, "mean", None), (1, 0, "mean", None), (0, 1, "mean", None), (1, 2, "mean", None), (0, 1, "bound", None),
+     (1, 0, "bound", 0.5), (0, 0, "mean", 0.8)],
+)  # fmt: skip
+def test_dca_moba_in_one_chunk_equals_moba_reference(sink, local, pooling, top_p):
     inv_freq = inv_freq_for(8)
     q = torch.randn(2, 4, 27, 8, dtype=torch.float64)
     k = torch.randn(2, 2, 27, 8, dtype=torch.float64)
     v = torch.randn(2, 2, 27, 8, dtype=torch.float64)
-    moba = dict(block_size=4, top_k=3, sink_blocks=sink, local_blocks=local, pooling=pooling)
+    moba = dict(
+        block_size=4,
+        top_k=3 if top_p is None else 5,
+        sink_blocks=sink,
+        local_blocks=local,
+        pooling=pooling,
+        top_p=top_p,
+    )
     got = dca_attention(q, k, v, pretraining_length=40, chunk_size=32, inv_freq=inv_freq, **moba)
     torch.testing.assert_close(got, moba_attention_reference(q, k, v, **moba), rtol=TOL, atol=TOL)
 

@@ -22,6 +22,7 @@ from transformers.masking_utils import AttentionMaskInterface
 import moba_hf
 from moba_hf import MobaConfig
 from moba_hf.integration import cache as moba_cache
+from moba_hf.integration import state as moba_state
 from moba_hf.integration.register import moba_mask
 from moba_hf.kernels import causal_attention, moba_attention_reference
 from moba_hf.kernels.decode import block_keys_from_cache, moba_decode
@@ -314,10 +315,15 @@ def _full_forward(model, ids, decode, prompt, dense_end=None):
         model.set_attn_implementation("moba")
 
 
+# a fixed budget, and an adaptive one (each query's blocks depend on its gate's softmax)
+BUDGETS = {"fixed": {"top_k": 2}, "top-p": {"top_k": 4, "top_p": 0.6, "min_top_k": 2}}
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
 @pytest.mark.parametrize("decode", ["moba", "full"])
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_stepwise_cached_decoding_equals_full_forward(arch, decode, monkeypatch):
-    moba = MobaConfig(block_size=5, top_k=2, decode=decode)
+def test_stepwise_cached_decoding_equals_full_forward(arch, decode, budget, monkeypatch):
+    moba = MobaConfig(block_size=5, decode=decode, **BUDGETS[budget])
     model = tiny_model(arch, moba)
     spy = Spy(monkeypatch)
     ids = torch.randint(0, 97, (2, 29))  # 6 blocks, the last one partial
@@ -329,7 +335,7 @@ def test_stepwise_cached_decoding_equals_full_forward(arch, decode, monkeypatch)
         for t in range(prompt, ids.shape[1]):
             got.append(model(ids[:, t : t + 1], **{CACHE: cache}, use_cache=True).logits)
             if decode == "moba":  # the running block means equal a recomputation after every step
-                for layer, state in getattr(cache, moba_cache._STATE_ATTR).items():
+                for layer, state in moba_state.of_cache(cache).blocks.items():
                     keys = cache.layers[layer].keys
                     tol = rounding_tol(torch.float64, 5) * float(keys.abs().max())  # bs roundings, as above
                     torch.testing.assert_close(state.block_keys(), block_keys_from_cache(keys, 5), rtol=0, atol=tol)
@@ -407,9 +413,10 @@ def test_a_second_process_on_a_loaded_machine_generates_the_same_tokens(monkeypa
     assert json.loads(res.stdout.strip().splitlines()[-1]) == want.tolist()
 
 
+@pytest.mark.parametrize("budget", [{}, {"top_p": 0.5}], ids=["fixed", "top-p"])
 @pytest.mark.parametrize("decode", ["moba", "full"])
-def test_chunked_prefill_equals_one_prefill(decode, monkeypatch):
-    moba = MobaConfig(block_size=4, top_k=3, decode=decode)
+def test_chunked_prefill_equals_one_prefill(decode, budget, monkeypatch):
+    moba = MobaConfig(block_size=4, top_k=3, decode=decode, **budget)
     model = tiny_model("llama", moba)
     spy = Spy(monkeypatch)
     ids = torch.randint(0, 97, (2, 45))

@@ -41,6 +41,7 @@ GATES = [
     {"pooling": "mean+max", "local_blocks": 1},
     {"pooling": "bound", "sink_blocks": 1},
     {"top_k": 1, "sink_blocks": 1, "local_blocks": 1},  # forced blocks only
+    {"pooling": "mean+max", "top_p": 0.5},  # an adaptive budget
 ]
 
 

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 import moba_hf
 from moba_hf import MobaConfig
+from moba_hf.integration import state
 
 
 def tiny_model(arch, **config):
@@ -159,10 +160,35 @@ def test_apply_installs_and_revert_removes_what_moba_adds():
     moba_hf.apply(model, MobaConfig(block_size=4, top_k=2, dca=moba_hf.DcaConfig(pretraining_length=16)))
     assert all(m._forward_pre_hooks and m._forward_hooks for m in attentions)
     model(torch.randint(0, 97, (1, 40)))
-    assert any("_moba_dca_inv_freq" in vars(m) for m in model.modules())
+    kept = [state.layer_if_any(m) for m in attentions]
+    assert all(s is not None and s.inv_freq is not None and s.resolved is not None for s in kept)
+    assert not any(k.startswith("_moba") for m in attentions for k in vars(m))  # nothing set on the modules
     moba_hf.revert(model)
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in attentions)
+    assert not any(state.layer_if_any(m) for m in model.modules())
     assert not any(k.startswith("_moba") for m in model.modules() for k in vars(m))
+
+
+def test_a_model_and_its_cache_pickle_and_copy_after_moba_ran(tmp_path):
+    """Nothing moba_hf keeps is set on the model or the cache: torch.save of both works after a cached decode, the
+    reloaded model decodes as the original, and a deep copy does not add its hooks twice."""
+    import copy
+
+    from transformers import DynamicCache
+
+    model = tiny_model("llama", dca=None)
+    moba_hf.apply(model, MobaConfig(block_size=4, top_k=2))
+    ids = torch.randint(0, 97, (1, 21))
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :20], past_key_values=cache, use_cache=True)
+        want = model(ids[:, 20:], past_key_values=cache, use_cache=True).logits
+        torch.save({"model": model, "cache": cache}, tmp_path / "all.pt")
+        loaded = torch.load(tmp_path / "all.pt", weights_only=False)["model"]
+        torch.testing.assert_close(loaded(ids).logits[:, -1:], want, rtol=1e-9, atol=1e-9)
+    twin = copy.deepcopy(model)
+    twin(ids)
+    assert all(len(m._forward_pre_hooks) == 1 for m in twin.modules() if type(m).__name__ == "LlamaAttention")
 
 
 def test_unsupported_model_is_refused():

@@ -29,6 +29,7 @@ GATES = [
     {"pooling": "max", "sink_blocks": 1},
     {"pooling": "mean+max", "local_blocks": 1},
     {"pooling": "bound", "sink_blocks": 1, "local_blocks": 1},
+    {"pooling": "bound", "sink_blocks": 1, "top_p": 0.5, "min_top_k": 2},  # an adaptive budget
 ]
 
 

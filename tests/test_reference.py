@@ -10,7 +10,9 @@ from kernel_cases import rounding_tol
 from moba_hf.kernels import causal_attention, gate_scores, moba_attention, moba_attention_reference
 
 
-def brute_force_moba(q, k, v, block_size, top_k, scale=None, pooling="mean", sink_blocks=0, local_blocks=0):
+def brute_force_moba(
+    q, k, v, block_size, top_k, scale=None, pooling="mean", sink_blocks=0, local_blocks=0, top_p=None, min_top_k=1
+):
     """Loops over every (batch, head, query): the kernel contract written as plainly as possible."""
     q, k, v = q.double(), k.double(), v.double()
     b_, hq, nq, d = q.shape
@@ -35,7 +37,18 @@ def brute_force_moba(q, k, v, block_size, top_k, scale=None, pooling="mean", sin
 
                 forced = {j for j in range(c) if j < sink_blocks or j >= c - local_blocks}
                 rest = sorted((j for j in range(c) if j not in forced), key=gate, reverse=True)
-                chosen = sorted(forced) + rest[: top_k - 1]
+                picks = rest[: top_k - 1]
+                if top_p is not None and top_p < 1:  # the fewest best blocks covering top_p of the gate's softmax
+                    earlier = [*forced, *rest]  # the own block is not in the mass: its keys reach past the query
+                    scores = torch.tensor([gate(j) for j in earlier]) / d**0.5
+                    share = dict(zip(earlier, torch.softmax(scores, 0), strict=True))
+                    covered, picks = sum(float(share[j]) for j in forced), []
+                    for j in rest[: top_k - 1]:
+                        if len(picks) >= min_top_k - 1 and covered >= top_p:
+                            break
+                        picks.append(j)
+                        covered += float(share[j])
+                chosen = sorted(forced) + picks
                 keys = list(range(c * block_size, p + 1))
                 for j in chosen:
                     keys += range(j * block_size, (j + 1) * block_size)
@@ -93,6 +106,30 @@ def test_gate_options_match_brute_force(pooling, sink, local):
     got = moba_attention_reference(q, k, v, block_size=4, top_k=3, **opts)
     tol = rounding_tol(torch.float64, 37, 37, 6)
     torch.testing.assert_close(got, brute_force_moba(q, k, v, 4, 3, **opts), rtol=tol, atol=tol)
+
+
+TOP_P_CASES = [  # top_p, min_top_k, gate keywords, query scale (larger: a peakier gate, fewer blocks)
+    (0.5, 1, {}, 1.0),
+    (0.9, 1, {"pooling": "bound", "sink_blocks": 1, "local_blocks": 1}, 3.0),
+    (0.2, 3, {"pooling": "max"}, 1.0),  # the minimum binds
+    (0.7, 1, {"pooling": "mean+max", "local_blocks": 1}, 5.0),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+@pytest.mark.parametrize(
+    "top_p,min_top_k,gate,peak", TOP_P_CASES, ids=lambda x: str(x) if not isinstance(x, dict) else ""
+)
+def test_adaptive_budget_matches_brute_force(case, top_p, min_top_k, gate, peak):
+    b, hq, hkv, nq, nk, d, bs, top_k = case
+    min_top_k = min(min_top_k, top_k)
+    q = torch.randn(b, hq, nq, d, dtype=torch.float64) * peak
+    k = torch.randn(b, hkv, nk, d, dtype=torch.float64)
+    v = torch.randn(b, hkv, nk, d, dtype=torch.float64)
+    opts = dict(top_p=top_p, min_top_k=min_top_k, **gate)
+    got = moba_attention_reference(q, k, v, block_size=bs, top_k=top_k, **opts)
+    tol = rounding_tol(torch.float64, nq, nk, d) * peak
+    torch.testing.assert_close(got, brute_force_moba(q, k, v, bs, top_k, **opts), rtol=tol, atol=tol)
 
 
 def test_custom_scale_and_float32_dtype():

@@ -30,7 +30,7 @@ from engines import (
 )
 
 from moba_hf import MobaConfig
-from moba_hf.vllm import settings
+from moba_hf.vllm import startup
 
 # `vllm serve` started, awaited and stopped as benchmarks/serve_passkey.py does it
 _spec = importlib.util.spec_from_file_location("serve_passkey", HERE.parent / "benchmarks" / "serve_passkey.py")
@@ -164,7 +164,7 @@ def test_vllm_serve_returns_offline_text(preset, tmp_path):
         "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--seed", "0",
     ]  # fmt: skip
     log = tmp_path / "serve.log"
-    with serve_passkey.vllm_server(command, {**ENGINE_ENV, settings.ENV: str(config)}, log, SERVE_START_S) as base:
+    with serve_passkey.vllm_server(command, {**ENGINE_ENV, startup.ENV: str(config)}, log, SERVE_START_S) as base:
         body = {"model": model_path(), "prompt": LONG[0], "max_tokens": MAX_TOKENS, "temperature": 0.0}
         request = urllib.request.Request(
             f"{base}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}

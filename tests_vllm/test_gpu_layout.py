@@ -20,7 +20,7 @@ from vllm.v1.attention.backends import triton_attn
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from moba_hf import MobaConfig, causal_attention
-from moba_hf.vllm import gpu_backend, routing, settings
+from moba_hf.vllm import gpu_backend, routing, startup
 from moba_hf.vllm.paged import PagedGateKeys, flash_layout, gather_sequence
 
 # physical axis orders of one layer's logical (num_pages, kv_heads, page, 2 * D) cache, one per vLLM layout
@@ -115,11 +115,11 @@ def test_cache_layout_check_refuses_a_wrong_reader(order, vllm_op, monkeypatch):
         return tuple(x.reshape(x.shape[0], x.shape[2], x.shape[1], -1).transpose(1, 2) for x in kv.split(64, -1))
 
     monkeypatch.setattr(gpu_backend, "triton_layout", wrong)
-    with pytest.raises(settings.MobaSetupError, match="Triton KV cache layout"):
+    with pytest.raises(startup.MobaSetupError, match="Triton KV cache layout"):
         gpu_backend.check_cache_layout(torch.float32, 32, 64, "cpu", order)
     # keys and values swapped
     monkeypatch.setattr(gpu_backend, "triton_layout", lambda kv: kv.split(64, -1)[::-1])
-    with pytest.raises(settings.MobaSetupError, match="Triton KV cache layout"):
+    with pytest.raises(startup.MobaSetupError, match="Triton KV cache layout"):
         gpu_backend.check_cache_layout(torch.float32, 32, 64, "cpu", order)
 
 
@@ -263,7 +263,7 @@ def test_guarded_backend_refuses_a_moba_config_only(monkeypatch):
 
     from moba_hf.vllm import guards
 
-    monkeypatch.delenv(settings.ENV, raising=False)
+    monkeypatch.delenv(startup.ENV, raising=False)
 
     class Dense:
         @classmethod
@@ -284,5 +284,5 @@ def test_guarded_backend_refuses_a_moba_config_only(monkeypatch):
 def test_gpu_impl_refuses_a_moba_config_on_another_platform(moba_engine, monkeypatch):
     _, context = moba_engine({"block_size": 64, "top_k": 2})
     monkeypatch.setattr(routing, "platform_kind", lambda: "rocm")
-    with context, pytest.raises(settings.MobaSetupError, match="runs on the cuda platform.*this platform is rocm"):
+    with context, pytest.raises(startup.MobaSetupError, match="runs on the cuda platform.*this platform is rocm"):
         gpu_backend.MobaTritonAttentionImpl(HQ_M, D, D**-0.5, HKV_M, None, None, "auto")

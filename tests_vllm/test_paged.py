@@ -15,7 +15,7 @@ from moba_hf import MobaConfig, moba_attention
 from moba_hf.dca.config import DcaParams
 from moba_hf.kernels.pooling import pooled_keys
 from moba_hf.kernels.rope import default_inv_freq, rotate
-from moba_hf.vllm import backend, settings
+from moba_hf.vllm import backend, startup
 from moba_hf.vllm.paged import PagedDca, PagedGateKeys, dense_decodes, moba_paged
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,11 +176,11 @@ def test_cache_layout_check_reads_vllm_layout(isa, dtype, monkeypatch):
     # the check compares what it reads with what vLLM wrote: a reader with the page's positions reversed is refused
     real = backend.cpu_layout
     monkeypatch.setattr(backend, "cpu_layout", lambda kv_cache: (real(kv_cache)[0].flip(-1), real(kv_cache)[1]))
-    with pytest.raises(settings.MobaSetupError, match=f"layout for isa={isa!r}"):
+    with pytest.raises(startup.MobaSetupError, match=f"layout for isa={isa!r}"):
         backend.check_cache_layout(isa, dtype, 128, 64)
 
 
 @pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="needs a CPU with AMX")
 def test_cache_layout_check_refuses_amx_layout():
-    with pytest.raises(settings.MobaSetupError, match="layout for isa='amx'"):
+    with pytest.raises(startup.MobaSetupError, match="layout for isa='amx'"):
         backend.check_cache_layout("amx", torch.bfloat16, 128, 64)

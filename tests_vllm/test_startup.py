@@ -12,7 +12,7 @@ from engines import MAX_MODEL_LEN, model_path
 
 from moba_hf import MobaConfig
 from moba_hf.dca.config import DcaParams
-from moba_hf.vllm import routing, settings
+from moba_hf.vllm import routing, startup
 
 ROOT = Path(__file__).resolve().parents[1]
 HQ, HKV, D = 6, 2, 64
@@ -27,12 +27,12 @@ def vllm_config(model: str | None = None, **kwargs):
 
 
 def test_no_moba_config_leaves_vllm_alone(monkeypatch):
-    monkeypatch.delenv(settings.ENV, raising=False)
+    monkeypatch.delenv(startup.ENV, raising=False)
     assert routing.setup(vllm_config()) is None
 
 
 def test_sources_and_precedence(monkeypatch):
-    monkeypatch.setenv(settings.ENV, "training-free")
+    monkeypatch.setenv(startup.ENV, "training-free")
     config, dense, dca = routing.setup(vllm_config())
     preset = MobaConfig.preset("training-free")
     assert config == preset and dense == preset.full_layer_set(30) and dca is None
@@ -42,7 +42,7 @@ def test_sources_and_precedence(monkeypatch):
 
 @pytest.mark.parametrize("name", ["long_doc", "chat", "code"])
 def test_serving_configs(name, monkeypatch):
-    monkeypatch.setenv(settings.ENV, str(ROOT / "configs" / f"serving_{name}.toml"))
+    monkeypatch.setenv(startup.ENV, str(ROOT / "configs" / f"serving_{name}.toml"))
     config, dense, _ = routing.setup(vllm_config())
     expected = {
         "long_doc": (MobaConfig(block_size=4096, top_k=4, full_attn_layers=2, decode="full"), {28, 29}),
@@ -78,23 +78,23 @@ REFUSALS = {
 
 @pytest.mark.parametrize("case", list(REFUSALS))
 def test_refusals(case, monkeypatch):
-    monkeypatch.delenv(settings.ENV, raising=False)
+    monkeypatch.delenv(startup.ENV, raising=False)
     kwargs, message = REFUSALS[case]
-    with pytest.raises(settings.MobaSetupError, match=message):
+    with pytest.raises(startup.MobaSetupError, match=message):
         routing.setup(vllm_config(**kwargs))
 
 
 def test_refuses_unknown_preset(monkeypatch):
-    monkeypatch.setenv(settings.ENV, "no-such-preset")
-    with pytest.raises(settings.MobaSetupError, match="neither a preset"):
+    monkeypatch.setenv(startup.ENV, "no-such-preset")
+    with pytest.raises(startup.MobaSetupError, match="neither a preset"):
         routing.setup(vllm_config())
 
 
 def test_refuses_server_file_limits(monkeypatch, tmp_path):
     path = tmp_path / "server.toml"
     path.write_text("block_size = 256\ntop_k = 3\nmax_context_tokens = 2048\n")
-    monkeypatch.setenv(settings.ENV, str(path))
-    with pytest.raises(settings.MobaSetupError, match="max_context_tokens=2048"):
+    monkeypatch.setenv(startup.ENV, str(path))
+    with pytest.raises(startup.MobaSetupError, match="max_context_tokens=2048"):
         routing.setup(vllm_config())
 
 
@@ -102,7 +102,7 @@ def test_refuses_server_file_limits(monkeypatch, tmp_path):
 def test_server_file_kv_cache_dtype_spellings_match_vllm_flags(spelling, monkeypatch, tmp_path):
     path = tmp_path / "server.toml"
     path.write_text(f'[attention]\ntype = "moba"\nblock_size = 256\n[attention.kv_cache]\ndtype = "{spelling}"\n')
-    monkeypatch.setenv(settings.ENV, str(path))
+    monkeypatch.setenv(startup.ENV, str(path))
     assert routing.setup(vllm_config(dtype="float16")) is not None  # the KV cache follows --dtype (auto)
     assert routing.setup(vllm_config(dtype="half", kv_cache_dtype="float16")) is not None
 
@@ -115,8 +115,8 @@ def test_kv_cache_dtype_refusal_names_flags_vllm_accepts(monkeypatch, tmp_path):
 
     path = tmp_path / "server.json"
     path.write_text('{"block_size": 256, "kv_cache_dtype": "bf16"}')
-    monkeypatch.setenv(settings.ENV, str(path))
-    with pytest.raises(settings.MobaSetupError, match="asks for kv_cache_dtype='bfloat16'") as refused:
+    monkeypatch.setenv(startup.ENV, str(path))
+    with pytest.raises(startup.MobaSetupError, match="asks for kv_cache_dtype='bfloat16'") as refused:
         routing.setup(vllm_config())  # float32 model, cache auto
     flags = dict(re.findall(r"(--dtype|--kv-cache-dtype) ([\w.]+)", str(refused.value).split("start vLLM with")[1]))
     assert flags["--dtype"] == "bfloat16" and flags["--dtype"] in get_args(ModelDType)
@@ -125,19 +125,19 @@ def test_kv_cache_dtype_refusal_names_flags_vllm_accepts(monkeypatch, tmp_path):
 
 
 def test_refuses_unsupported_architecture(monkeypatch, tmp_path):
-    monkeypatch.setenv(settings.ENV, "training-free")
+    monkeypatch.setenv(startup.ENV, "training-free")
     path = model_dir(tmp_path, model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=None)
     message = "supports LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM; this checkpoint is MistralForCausalLM"
-    with pytest.raises(settings.MobaSetupError, match=message):
+    with pytest.raises(startup.MobaSetupError, match=message):
         routing.setup(vllm_config(path))
 
 
 def test_refuses_max_model_len_past_the_rope_table(monkeypatch, tmp_path):
-    monkeypatch.delenv(settings.ENV, raising=False)
+    monkeypatch.delenv(startup.ENV, raising=False)
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # vLLM's own length check comes first otherwise
     path = model_dir(tmp_path, max_position_embeddings=2048)
     message = "max_model_len=4096 needs RoPE positions up to 4095, but vLLM's RoPE table covers max_position_embeddings"
-    with pytest.raises(settings.MobaSetupError, match=re.escape(message)):
+    with pytest.raises(startup.MobaSetupError, match=re.escape(message)):
         routing.setup(vllm_config(path, hf_overrides={"moba_config": {"block_size": 128}}))
     # raising the table through --hf-overrides is accepted
     raised = {"moba_config": {"block_size": 128}, "max_position_embeddings": 4096}
@@ -145,12 +145,12 @@ def test_refuses_max_model_len_past_the_rope_table(monkeypatch, tmp_path):
 
 
 def test_refuses_sliding_window(monkeypatch, tmp_path):
-    monkeypatch.setenv(settings.ENV, "training-free")
+    monkeypatch.setenv(startup.ENV, "training-free")
     path = model_dir(
         tmp_path, model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=True,
         sliding_window=1024, max_window_layers=0,
     )  # fmt: skip
-    with pytest.raises(settings.MobaSetupError, match="sliding"):
+    with pytest.raises(startup.MobaSetupError, match="sliding"):
         routing.setup(vllm_config(path))
 
 
@@ -172,7 +172,7 @@ def qwen_dir(tmp_path, **config):
 def test_dca_from_the_moba_config(monkeypatch):
     from transformers import AutoConfig
 
-    monkeypatch.delenv(settings.ENV, raising=False)
+    monkeypatch.delenv(startup.ENV, raising=False)
     moba = {"sparse": False, "dca": {"pretraining_length": 1024, "temperature": True}}
     setup = routing.setup(vllm_config(hf_overrides={"moba_config": moba}))
     assert setup.dca.params == DcaParams(pretraining_length=1024, chunk_size=896, temperature=True)
@@ -185,7 +185,7 @@ def test_dca_from_the_moba_config(monkeypatch):
 
 
 def test_qwen_dual_chunk_attention_config_turns_dense_dca_on(monkeypatch, tmp_path):
-    monkeypatch.delenv(settings.ENV, raising=False)
+    monkeypatch.delenv(startup.ENV, raising=False)
     path = qwen_dir(tmp_path, dual_chunk_attention_config=QWEN_DCA)
     config, dense, dca = routing.setup(vllm_config(path))
     assert config == MobaConfig(sparse=False) and dca.params == DcaParams(pretraining_length=1024, chunk_size=896)
@@ -194,7 +194,7 @@ def test_qwen_dual_chunk_attention_config_turns_dense_dca_on(monkeypatch, tmp_pa
 
 
 def test_dca_accepts_llama3_rope(monkeypatch, tmp_path):
-    monkeypatch.delenv(settings.ENV, raising=False)
+    monkeypatch.delenv(startup.ENV, raising=False)
     path = model_dir(tmp_path, rope_scaling=LLAMA3_ROPE)
     moba = {"sparse": False, "dca": {"pretraining_length": 1024}}
     assert routing.setup(vllm_config(path, hf_overrides={"moba_config": moba})).dca is not None
@@ -202,7 +202,7 @@ def test_dca_accepts_llama3_rope(monkeypatch, tmp_path):
 
 def test_dca_past_the_window_with_a_raised_rope_table(monkeypatch):
     # SmolLM2 (8K window) at 16K: vLLM's RoPE table raised to 16K, DCA's c set explicitly
-    monkeypatch.delenv(settings.ENV, raising=False)
+    monkeypatch.delenv(startup.ENV, raising=False)
     moba = {"sparse": False, "dca": {"pretraining_length": 4096, "temperature": True}}
     overrides = {"max_position_embeddings": 16384, "moba_config": moba}
     setup = routing.setup(vllm_config(hf_overrides=overrides, max_model_len=16384))
@@ -248,11 +248,11 @@ DCA_REFUSALS = {
 
 @pytest.mark.parametrize("case", list(DCA_REFUSALS))
 def test_dca_refusals(case, monkeypatch, tmp_path):
-    monkeypatch.delenv(settings.ENV, raising=False)
+    monkeypatch.delenv(startup.ENV, raising=False)
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # vLLM's own length check comes first otherwise
     checkpoint, kwargs, message = DCA_REFUSALS[case]
     path = model_dir(tmp_path, **checkpoint) if checkpoint else None
-    with pytest.raises(settings.MobaSetupError, match=re.escape(message)):
+    with pytest.raises(startup.MobaSetupError, match=re.escape(message)):
         routing.setup(vllm_config(path, **kwargs))
 
 

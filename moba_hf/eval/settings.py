@@ -34,7 +34,8 @@ from ..integration import apply, revert
 MOBA = "moba"
 
 
-_SHORT = {"dense_tail": "tail", "full_attn_layer_ids": "dense"}  # grid names: a field's first word, unless misleading
+# grid names: a field's first word, unless misleading
+_SHORT = {"dense_tail": "tail", "full_attn_layer_ids": "dense", "top_p": "p", "min_top_k": "min"}
 
 
 def _short_value(value: Any) -> str:

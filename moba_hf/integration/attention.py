@@ -23,7 +23,7 @@ from ..config import MobaConfig
 from ..dca.config import DcaParams
 from ..kernels import resolve_backend
 from ..kernels.checks import needs_grad
-from . import rope_remap, sparsity
+from . import rope_remap, sparsity, state
 from .cache import cached_step
 from .layout import sequence_spans
 from .support import SUPPORTED_MODEL_TYPES, check_supported  # noqa: F401 - re-exported
@@ -31,7 +31,6 @@ from .support import SUPPORTED_MODEL_TYPES, check_supported  # noqa: F401 - re-e
 logger = logging.getLogger("moba_hf")
 
 _warned_default: set[int] = set()
-_RESOLVED_ATTR = "_moba_resolved"  # on the attention module: the ResolvedConfig of its last call
 
 
 @functools.lru_cache(maxsize=64)
@@ -114,7 +113,8 @@ def resolved_config(module: torch.nn.Module) -> ResolvedConfig:
     full-attention layers and DCA's parameters; the checks raise as they would on every call."""
     global _latest
     model_config = module.config
-    resolved = module.__dict__.get(_RESOLVED_ATTR)
+    layer_state = state.of_layer(module)
+    resolved = layer_state.resolved
     if resolved is not None and resolved.holds_for(model_config):
         return resolved
     if _latest is None or not _latest.holds_for(model_config):
@@ -124,14 +124,8 @@ def resolved_config(module: torch.nn.Module) -> ResolvedConfig:
         dca = rope_remap.resolve(config.dca, model_config, config.block_size if config.sparse else None)
         snapshot = _snapshot(_attributes(model_config))
         _latest = ResolvedConfig(weakref.ref(model_config), snapshot, config, full_layers, dca)
-    setattr(module, _RESOLVED_ATTR, _latest)
+    layer_state.resolved = _latest
     return _latest
-
-
-def forget_resolved(model: torch.nn.Module) -> None:
-    """Forget what `resolved_config` kept on the model's modules (used by `revert`)."""
-    for module in model.modules():
-        module.__dict__.pop(_RESOLVED_ATTR, None)
 
 
 def moba_attention_forward(
@@ -216,7 +210,10 @@ def _attend(
     route = core.path(config, q.shape[2], k.shape[2], dense_layer=dense, dca=dca)
     if route == "moba":
         backend = functools.partial(resolve_backend, config.backend, q, needs_grad=needs_grad(q, k, v))
-        sparsity.record_attention(layer, q, k.shape[2], backend, config)
-    else:  # DCA's gate mixes query variants, but the rule (and so the count) is MoBA's
-        sparsity.record_attention(layer, q, k.shape[2], route, config if route == "dca+moba" else None)
+        selection = functools.partial(core.selection, q, k, config)
+        sparsity.record_attention(layer, q, k.shape[2], backend, config, selection)
+    else:  # DCA's gate mixes query variants, but the rule (and so a fixed budget's count) is MoBA's
+        moba = config if route == "dca+moba" else None
+        selection = functools.partial(core.selection, q, k, config, dca)
+        sparsity.record_attention(layer, q, k.shape[2], route, moba, selection)
     return core.attend(q, k, v, config, scale, route, dca)

@@ -1,10 +1,11 @@
-"""MoBA's per-layer block state, kept on the transformers `Cache`, and the sparse decode step that reads it.
+"""MoBA's per-layer block state, kept beside the transformers `Cache`, and the sparse decode step that reads it.
 
 transformers does not hand the cache to attention functions, so each attention module gets a forward pre-hook
 that stashes (weak references to) the call's cache and the layer's keys as they were *before* `cache.update`:
 `apply` installs them (and `revert` removes them); a model loaded with plain `attn_implementation="moba"` gets
-them the first time `moba_attention_forward` sees each module. The block state lives in a dict on the cache
-object, one `BlockState` per layer, so it is freed with the cache and survives `generate`.
+them the first time `moba_attention_forward` sees each module. The block state is kept beside the cache
+(`state.CacheState`, keyed weakly by the cache object), one `BlockState` per layer, so it is freed with the cache
+and survives `generate`.
 
 A state is trusted only if the keys the layer held before this call are the very tensor the state last
 summed (a `DynamicCache` append makes a new tensor each update; `reset`, `crop`, beam reordering, batch
@@ -28,17 +29,12 @@ from .. import core
 from ..config import MobaConfig
 from ..kernels.checks import gate_dtype
 from ..kernels.pooling import BlockStats
-from . import sparsity
+from . import sparsity, state
 
 logger = logging.getLogger("moba_hf")
 
 # above this many new queries a cached step runs the prefill kernel (which gates every query at once)
 DECODE_MAX_QUERIES = 8
-
-_STATE_ATTR = "_moba_block_state"  # on the Cache: {layer_idx: BlockState}
-_CALL_ATTR = "_moba_call"  # on the attention module, during its forward: (cache ref, keys-before-update ref)
-_HOOKS_ATTR = "_moba_cache_hooks"  # on the attention module: hook handles
-_CHECKED_ATTR = "_moba_checked_layers"  # on the Cache: the layers `check_cache_supported` passed
 
 
 # --- finding the cache from inside the attention function --------------------------------------------------------
@@ -60,39 +56,42 @@ def _layer_keys(cache: Any, layer_idx: int | None) -> torch.Tensor | None:
     return keys if isinstance(keys, torch.Tensor) else None
 
 
-# The hooks run twice per layer and token: they write the module's __dict__ directly, which is what
-# nn.Module.__setattr__ does for a plain value after its (here needless) checks for parameters and submodules.
+# The hooks run twice per layer and token, so they do no more than set the layer's `call`.
 def _pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    layer_state = state.of_layer(module)
     cache = _find_cache(args, kwargs)
     if cache is None:
-        module.__dict__[_CALL_ATTR] = None
+        layer_state.call = None
         return
     # decided now, while the layer still holds the keys of the previous step (`update` replaces them)
     layer = getattr(module, "layer_idx", None)
-    states = getattr(cache, _STATE_ATTR, None)
-    state = states.get(layer) if states else None
-    if state is None:  # no block state (e.g. a plain prefill so far): nothing to be in step with
-        module.__dict__[_CALL_ATTR] = (weakref.ref(cache), False)
+    kept = state.cache_if_any(cache)
+    block_state = kept.blocks.get(layer) if kept is not None else None
+    if block_state is None:  # no block state (e.g. a plain prefill so far): nothing to be in step with
+        layer_state.call = (weakref.ref(cache), False)
         return
     keys = _layer_keys(cache, layer)
-    in_step = keys is not None and state.keys_ref is not None and state.keys_ref() is keys
-    module.__dict__[_CALL_ATTR] = (weakref.ref(cache), in_step and state.n == keys.shape[2])
+    in_step = keys is not None and block_state.keys_ref is not None and block_state.keys_ref() is keys
+    layer_state.call = (weakref.ref(cache), in_step and block_state.n == keys.shape[2])
 
 
 def _post_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    module.__dict__[_CALL_ATTR] = None
+    layer_state = state.layer_if_any(module)
+    if layer_state is not None:
+        layer_state.call = None
 
 
 def install_hooks(module: torch.nn.Module) -> None:
-    """Make `module` stash its cache for `current_call` (idempotent; takes effect from the next forward)."""
-    if getattr(module, _HOOKS_ATTR, None) is not None:
+    """Make `module` stash its cache for `current_call` (idempotent; takes effect from the next forward). A copy
+    of a module (deepcopy, pickle) brings the hooks along without an entry of its own: they are not added twice."""
+    layer_state = state.of_layer(module)
+    if layer_state.hooks is not None or any(hook is _pre_hook for hook in module._forward_pre_hooks.values()):
         return
-    handles = (
+    layer_state.hooks = (
         module.register_forward_pre_hook(_pre_hook, with_kwargs=True),
         module.register_forward_hook(_post_hook, with_kwargs=True, always_call=True),
     )
-    setattr(module, _HOOKS_ATTR, handles)
-    setattr(module, _CALL_ATTR, None)
+    layer_state.call = None
 
 
 def install_model_hooks(model: torch.nn.Module, attention_classes: tuple[type, ...]) -> None:
@@ -105,19 +104,18 @@ def install_model_hooks(model: torch.nn.Module, attention_classes: tuple[type, .
 def remove_hooks(model: torch.nn.Module) -> None:
     """Undo `install_hooks` on every submodule (used by `revert`)."""
     for module in model.modules():
-        handles = getattr(module, _HOOKS_ATTR, None)
-        if handles is not None:
-            for handle in handles:
+        layer_state = state.layer_if_any(module)
+        if layer_state is not None and layer_state.hooks is not None:
+            for handle in layer_state.hooks:
                 handle.remove()
-            delattr(module, _HOOKS_ATTR)
-            if hasattr(module, _CALL_ATTR):
-                delattr(module, _CALL_ATTR)
+            layer_state.hooks = layer_state.call = None
 
 
 def current_call(module: torch.nn.Module) -> tuple[Any, bool] | None:
     """(cache, whether the layer's block state covered exactly its keys before this call) for the forward in
     progress, or None when the call has no cache (or the hooks were installed during it)."""
-    call = getattr(module, _CALL_ATTR, None)
+    layer_state = state.layer_if_any(module)
+    call = None if layer_state is None else layer_state.call
     if call is None:
         return None
     cache = call[0]()
@@ -290,29 +288,28 @@ def block_state(
     """This layer's state, synced to `keys` (the cache after this call's update): appended to if it was
     `in_step` (it covered exactly the cache before the update), rebuilt from all keys otherwise.
     padding_mask: [B, Nk] bool or None. With create=False a missing or stale state is not (re)built."""
-    states = getattr(cache, _STATE_ATTR, None)
-    if states is None:
-        if not create:
-            return None
-        states = {}
-        setattr(cache, _STATE_ATTR, states)
-    state = states.get(layer_idx)
-    if state is None and not create:
+    kept = state.of_cache(cache) if create else state.cache_if_any(cache)
+    if kept is None:
+        return None
+    states = kept.blocks
+    running = states.get(layer_idx)
+    if running is None and not create:
         return None
     nk = keys.shape[2]
-    fresh = state is not None and state.matches(keys, config.block_size, config.pooling) and in_step and state.n <= nk
+    fresh = running is not None and in_step and running.n <= nk
+    fresh = fresh and running.matches(keys, config.block_size, config.pooling)
     if not fresh and not create:  # stale and not needed now: rebuild lazily at the next decode step
         del states[layer_idx]
         return None
     if not fresh:
-        if state is not None:
+        if running is not None:
             logger.debug("moba_hf: layer %s block state out of date; rebuilding from %d cached keys", layer_idx, nk)
-        state = BlockState(keys, config.block_size, config.pooling)
-        states[layer_idx] = state
-    real = None if padding_mask is None else padding_mask[:, state.n : nk]
-    state.append(keys[:, :, state.n :], real)
-    state.keys_ref = weakref.ref(keys)
-    return state
+        running = BlockState(keys, config.block_size, config.pooling)
+        states[layer_idx] = running
+    real = None if padding_mask is None else padding_mask[:, running.n : nk]
+    running.append(keys[:, :, running.n :], real)
+    running.keys_ref = weakref.ref(keys)
+    return running
 
 
 # --- the cached step ---------------------------------------------------------------------------------------------
@@ -340,24 +337,24 @@ def cached_step(
         padding_mask = None
     cache, in_step = call
     layer = getattr(module, "layer_idx", None)
-    checked = getattr(cache, _CHECKED_ATTR, None)
-    if checked is None or layer not in checked:  # once per cache and layer: the kind of a cache's layers is fixed
+    checked = state.of_cache(cache).checked_layers
+    if layer not in checked:  # once per cache and layer: the kind of a cache's layers is fixed
         check_cache_supported(cache, layer)
-        setattr(cache, _CHECKED_ATTR, (checked or frozenset()) | {layer})
+        checked.add(layer)
     nq, nk = query.shape[2], key.shape[2]
     decode = config.decode == "moba" and nq < nk and nq <= DECODE_MAX_QUERIES and layer is not None
     decode = decode and not config.tail_queries(nq)  # a dense tail runs on the prefill path
-    state = block_state(cache, layer, key, in_step, padding_mask, config, create=decode) if layer is not None else None
-    if not decode or state is None or not state.contiguous_rows() or state.min_count < nq:
+    running = None if layer is None else block_state(cache, layer, key, in_step, padding_mask, config, create=decode)
+    if not decode or running is None or not running.contiguous_rows() or running.min_count < nq:
         return None
     out, selected = core.decode(
-        query, (key, value), state.block_keys(), config, scale, starts=state.starts, return_selection=True
+        query, (key, value), running.block_keys(), config, scale, starts=running.starts, return_selection=True
     )
     if sparsity.tracking():
         attended = sum(
-            sparsity.attended_pairs(selected[r : r + 1], int(state.counts[r]), config.block_size)
+            sparsity.attended_pairs(selected[r : r + 1], int(running.counts[r]), config.block_size)
             for r in range(query.shape[0])
         )
-        causal = sum(sparsity.causal_pairs(query.shape[1], nq, int(c)) for c in state.counts.tolist())
+        causal = sum(sparsity.causal_pairs(query.shape[1], nq, int(c)) for c in running.counts.tolist())
         sparsity.record(layer, attended, causal, "decode")
     return out

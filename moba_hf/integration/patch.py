@@ -8,10 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from ..config import MobaConfig
-from .attention import forget_resolved
+from . import state
 from .cache import install_model_hooks, remove_hooks
 from .register import CONFIG_FIELD, NAME, register
-from .rope_remap import drop_cached_frequencies
 from .rope_remap import resolve as resolve_dca
 from .support import check_supported, family_of
 
@@ -73,8 +72,7 @@ def revert(model: Any) -> Any:
     implementation, had, moba_config = getattr(model, _PREVIOUS)
     delattr(model, _PREVIOUS)
     remove_hooks(model)  # the KV-cache hooks apply (or moba attention's first call) installed
-    drop_cached_frequencies(model)
-    forget_resolved(model)
+    state.forget_layers(model)  # resolved configs and DCA frequencies
     if had:
         model.config.moba_config = moba_config
     elif CONFIG_FIELD in vars(model.config):

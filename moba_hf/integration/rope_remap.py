@@ -21,10 +21,9 @@ import torch
 from .. import core
 from ..dca.config import DcaConfig, DcaParams, check_block_multiple, check_chunk, default_chunk_size
 from ..kernels.rope import rotate
+from . import state
 from .layout import sequence_spans
 from .support import check_dca_rope, family_of, rope_parameters
-
-_INV_FREQ_ATTR = "_moba_dca_inv_freq"
 
 
 def model_pretraining_length(model_config: Any) -> int:
@@ -86,25 +85,19 @@ def resolve(dca: Any, model_config: Any, block_size: int | None = None) -> DcaPa
 def model_inv_freq(module: torch.nn.Module, device: torch.device) -> torch.Tensor:
     """The RoPE inverse frequencies of the model `module` belongs to (its own rotary class, so rope_scaling
     types linear / llama3 / yarn keep their frequencies; the class `support.check_dca_rope` checked);
-    cached on the module per device."""
-    cached = module.__dict__.get(_INV_FREQ_ATTR)
+    kept beside the module (`state.LayerState`) per device."""
+    layer_state = state.of_layer(module)
+    cached = layer_state.inv_freq
     if cached is not None and cached.device == device:
         return cached
-    inv_freq = config_inv_freq(module.config).to(device)
-    setattr(module, _INV_FREQ_ATTR, inv_freq)
-    return inv_freq
+    layer_state.inv_freq = config_inv_freq(module.config).to(device)
+    return layer_state.inv_freq
 
 
 def config_inv_freq(model_config: Any) -> torch.Tensor:
     """float32 [head_dim / 2]: the RoPE inverse frequencies of the model's own rotary class
     (`resolve` -> `support.check_dca_rope` found it)."""
     return family_of(type(model_config)).rotary(config=model_config).inv_freq.detach().to(torch.float32)
-
-
-def drop_cached_frequencies(model: torch.nn.Module) -> None:
-    """Forget the frequencies `model_inv_freq` cached on the model's modules (used by `revert`)."""
-    for module in model.modules():
-        module.__dict__.pop(_INV_FREQ_ATTR, None)
 
 
 def remap_fresh(

@@ -83,22 +83,44 @@ def record(layer: int, attended: int, causal: int, backend: str) -> None:
 
 
 def record_attention(
-    layer: int | None, q: torch.Tensor, num_keys: int, backend: str | Callable[[], str], moba: Any = None
+    layer: int | None,
+    q: torch.Tensor,
+    num_keys: int,
+    backend: str | Callable[[], str],
+    moba: Any = None,
+    selection: Callable[[], torch.Tensor] | None = None,
 ) -> None:
     """Count one prefill attention call of q [B, Hq, Nq, D] over `num_keys` keys, if tracking is on: dense when
-    `moba` is None, else MoBA's selection rule with the gate of `moba` (a MobaConfig). `backend`: the name to
-    report, or a function giving it (asked only while tracking)."""
+    `moba` is None, else MoBA's selection rule with the gate of `moba` (a MobaConfig). The rule fixes the count
+    of a fixed budget; an adaptive one (`top_p`) is counted on the blocks `selection()` returns ([B, Hq, Nq,
+    n_blocks], asked only while tracking). `backend`: the name to report, or a function giving it (likewise)."""
     if not _active:
         return
     b, hq, nq = q.shape[:3]
     causal = b * causal_pairs(hq, nq, num_keys)
     attended = causal
-    if moba is not None:
+    if moba is not None and moba.gate.top_p is not None and moba.gate.top_p < 1:
+        if selection is None:
+            raise ValueError("an adaptive budget (top_p) is counted on its selection: pass selection=")
+        attended = selected_pairs(selection(), num_keys, moba.block_size, moba.tail_queries(nq))
+    elif moba is not None:
         attended = rule_pairs(
             b * hq, nq, num_keys, block_size=moba.block_size, top_k=moba.top_k, sink_blocks=moba.sink_blocks,
             local_blocks=moba.local_blocks, dense_tail=moba.tail_queries(nq),
         )  # fmt: skip
     record(layer, attended, causal, backend if isinstance(backend, str) else backend())
+
+
+def selected_pairs(selected: torch.Tensor, kv_length: int, block_size: int, dense_tail: int = 0) -> int:
+    """`attended_pairs` of a selection [B, Hq, Nq, n_blocks] whose last `dense_tail` queries attend every key up
+    to themselves instead."""
+    nq = selected.shape[2]
+    tail = min(dense_tail, nq)
+    rows = selected.shape[0] * selected.shape[1]
+    first_tail = kv_length - tail  # position of the first tail query
+    dense = rows * (first_tail + 1 + kv_length) * tail // 2
+    head = attended_pairs(selected[:, :, : nq - tail], first_tail, block_size) if nq > tail else 0
+    return head + dense
 
 
 def causal_pairs(heads: int, q_length: int, kv_length: int) -> int:

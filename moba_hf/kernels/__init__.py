@@ -162,6 +162,8 @@ def moba_attention(
     pooling: str = "mean",
     sink_blocks: int = 0,
     local_blocks: int = 0,
+    top_p: float | None = None,
+    min_top_k: int = 1,
     dense_tail: int = 0,
 ) -> torch.Tensor:
     """Mixture of Block Attention.
@@ -175,7 +177,8 @@ def moba_attention(
     `scale` defaults to head_dim ** -0.5 (else a finite number > 0; at most 3.4e38, float32's largest, for float32
     and 16-bit inputs, whose scores are float32; one that rounds to 0 there weighs every attended key equally, as
     in the reference); q, k, v: floating point, one dtype, one device.
-    `pooling`, `sink_blocks`, `local_blocks`: see `MobaConfig`. The last `dense_tail` queries (all of them when
+    `pooling`, `sink_blocks`, `local_blocks`, `top_p` (an adaptive budget of at most top_k blocks),
+    `min_top_k`: see `MobaConfig`. The last `dense_tail` queries (all of them when
     Nq <= dense_tail) attend every earlier key, as `causal_attention`.
     """
     check_inputs(q, k, v, scale)
@@ -188,11 +191,13 @@ def moba_attention(
         pooling=pooling,
         sink_blocks=sink_blocks,
         local_blocks=local_blocks,
+        top_p=top_p,
+        min_top_k=min_top_k,
     )
     if not dense_tail:
         return _loaded[name](q, k, v, **options)
     check_moba_args(q, k, v, block_size=block_size, top_k=top_k)
-    GateOptions(pooling, sink_blocks, local_blocks)  # checked before a tail-only call skips the gate
+    GateOptions(pooling, sink_blocks, local_blocks, top_p, min_top_k)  # checked before a tail-only call skips the gate
     return with_dense_tail(
         q,
         k,

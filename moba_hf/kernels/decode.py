@@ -133,7 +133,7 @@ def decode_selection(
         return (gate_q @ block_keys.transpose(-1, -2)).view(b, hq, nq, nb)
 
     with torch.no_grad():
-        return choose_blocks(current, nb, scores, batch_heads=(b, hq), top_k=top_k, gate=gate, masks=masks)
+        return choose_blocks(current, nb, scores, batch_heads=(b, hq), top_k=top_k, gate=gate, masks=masks, head_dim=d)
 
 
 def moba_decode(
@@ -148,6 +148,8 @@ def moba_decode(
     pooling: str = "mean",
     sink_blocks: int = 0,
     local_blocks: int = 0,
+    top_p: float | None = None,
+    min_top_k: int = 1,
     starts: torch.Tensor | None = None,
     return_selection: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -162,7 +164,7 @@ def moba_decode(
     Returns [B, Hq, Nq, D] in q's dtype (and the selection [B, Hq, Nq, n_blocks] if `return_selection`):
     exactly `moba_attention(q_b, k_b, v_b, ...)` for every row's sequence, with `block_keys` as the gate's keys.
     """
-    gate = GateOptions(pooling, sink_blocks, local_blocks)
+    gate = GateOptions(pooling, sink_blocks, local_blocks, top_p, min_top_k)
     check_decode_args(q, k, v, block_keys, block_size=block_size, top_k=top_k, gate=gate, starts=starts, scale=scale)
     cache = DenseCache(k, v)
     step = lambda: _decode(q, cache, block_keys, block_size, top_k, scale, gate, starts, return_selection)  # noqa: E731

@@ -112,7 +112,8 @@ def dca_selection_slices(
 
         current = torch.arange(first + a, first + end, device=k.device) // block_size
         yield a, choose_blocks(
-            current, seen, scores, batch_heads=(b, hq), top_k=top_k, gate=gate, first_block=(first + a) // block_size
+            current, seen, scores, batch_heads=(b, hq), top_k=top_k, gate=gate,
+            first_block=(first + a) // block_size, head_dim=k.shape[3],
         )  # fmt: skip
         a = end
 
@@ -142,6 +143,23 @@ def dca_selected_blocks(
     return selected
 
 
+def dca_selection(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    pretraining_length: int,
+    chunk_size: int,
+    inv_freq: torch.Tensor,
+    block_size: int,
+    top_k: int,
+    gate: GateOptions = DEFAULT_GATE,
+) -> torch.Tensor:
+    """The blocks `dca_attention` with these arguments lets each query attend: bool [B, Hq, Nq, n_blocks]
+    (q, k as `dca_attention` takes them; a dense tail is the caller's to apply)."""
+    variants = query_variants(q, k.shape[2], pretraining_length, chunk_size, inv_freq, gate_dtype(q.dtype))
+    return dca_selected_blocks(variants, k, chunk_size=chunk_size, block_size=block_size, top_k=top_k, gate=gate)
+
+
 def dca_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -157,25 +175,27 @@ def dca_attention(
     pooling: str = "mean",
     sink_blocks: int = 0,
     local_blocks: int = 0,
+    top_p: float | None = None,
+    min_top_k: int = 1,
     dense_tail: int = 0,
 ) -> torch.Tensor:
     """Dual Chunk Attention; with `block_size`, composed with MoBA.
 
     q: [B, Hq, Nq, D] rotated at (i mod chunk_size); k, v: [B, Hkv, Nk, D], k rotated at (j mod chunk_size);
     the queries are the last Nq of the Nk positions. inv_freq: [D / 2], the model's RoPE inverse frequencies.
-    temperature multiplies the logits (1.0 = off). block_size None: dense causal DCA; otherwise MoBA
-    (top_k, pooling, sink_blocks, local_blocks, dense_tail as in `moba_attention`; the tail runs dense DCA) with
-    block_size dividing chunk_size. Returns [B, Hq, Nq, D] in q's dtype.
+    temperature multiplies the logits (1.0 = off). block_size None: dense causal DCA; otherwise MoBA (top_k,
+    pooling, sink_blocks, local_blocks, top_p, min_top_k, dense_tail as in `moba_attention`; the tail runs dense
+    DCA) with block_size dividing chunk_size. Returns [B, Hq, Nq, D] in q's dtype.
     """
     check_count("dense_tail", dense_tail, 0)
     if dense_tail and block_size is not None:
         moba = dict(block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks,
-                    local_blocks=local_blocks)  # fmt: skip
+                    local_blocks=local_blocks, top_p=top_p, min_top_k=min_top_k)  # fmt: skip
         dca = dict(pretraining_length=pretraining_length, chunk_size=chunk_size, inv_freq=inv_freq, scale=scale,
                    temperature=temperature)  # fmt: skip
         check_inputs(q, k, v, scale)
         check_moba_args(q, k, v, block_size=block_size, top_k=top_k)
-        GateOptions(pooling, sink_blocks, local_blocks)
+        GateOptions(pooling, sink_blocks, local_blocks, top_p, min_top_k)
         return with_dense_tail(
             q, k, v, dense_tail, lambda q_, k_, v_: dca_attention(q_, k_, v_, **dca, **moba),
             lambda q_, k_, v_: dca_attention(q_, k_, v_, **dca),
@@ -183,7 +203,7 @@ def dca_attention(
     check_inputs(q, k, v, scale)
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 < temperature < math.inf:
         raise ValueError(f"temperature must be a finite number > 0 (1.0 = off), got {temperature!r}")
-    gate = None if block_size is None else GateOptions(pooling, sink_blocks, local_blocks)
+    gate = None if block_size is None else GateOptions(pooling, sink_blocks, local_blocks, top_p, min_top_k)
     if block_size is None:
         check_moba_args(q, k, v, block_size=1, top_k=1)
     else:
@@ -204,7 +224,7 @@ def dca_attention(
     if has_nonfinite(q, v):  # the kernels' NaN / inf rule (see kernels.nonfinite.propagate_nonfinite)
         args = dict(pretraining_length=pretraining_length, chunk_size=chunk_size, inv_freq=inv_freq, scale=scale,
                     temperature=temperature, block_size=block_size, top_k=top_k, pooling=pooling,
-                    sink_blocks=sink_blocks, local_blocks=local_blocks)  # fmt: skip
+                    sink_blocks=sink_blocks, local_blocks=local_blocks, top_p=top_p, min_top_k=min_top_k)  # fmt: skip
         allowed = _allowed(q, k, whole_selection(), block_size)  # the selection of the original q, as the reference's
         return propagate_nonfinite(lambda q_, v_: dca_attention(q_, k, v_, **args), q, v, allowed)
     scale = (d**-0.5 if scale is None else scale) * temperature

@@ -97,12 +97,14 @@ def moba_attention_flash(
     pooling: str = "mean",
     sink_blocks: int = 0,
     local_blocks: int = 0,
+    top_p: float | None = None,
+    min_top_k: int = 1,
 ) -> torch.Tensor:
     """MoBA attention on flash-attn (same contract as `moba_attention_reference`); differentiable in q, k, v.
 
     q: [B, Hq, Nq, D]; k, v: [B, Hkv, Nk, D]; returns [B, Hq, Nq, D] in q's dtype. Needs CUDA fp16/bf16 tensors.
     """
-    gate = GateOptions(pooling, sink_blocks, local_blocks)
+    gate = GateOptions(pooling, sink_blocks, local_blocks, top_p, min_top_k)
     check_moba_args(q, k, v, block_size=block_size, top_k=top_k)
     block_size = effective_block_size(block_size, k.shape[2])  # bounded by the sequence
     if not flash_attn_takes(q):

@@ -139,12 +139,14 @@ def moba_attention_flex(
     pooling: str = "mean",
     sink_blocks: int = 0,
     local_blocks: int = 0,
+    top_p: float | None = None,
+    min_top_k: int = 1,
 ) -> torch.Tensor:
     """MoBA attention (same contract as `moba_attention_reference`) with FlexAttention.
 
     q: [B, Hq, Nq, D]; k, v: [B, Hkv, Nk, D]; returns [B, Hq, Nq, D] in q's dtype; differentiable in q, k, v.
     """
-    gate = GateOptions(pooling, sink_blocks, local_blocks)
+    gate = GateOptions(pooling, sink_blocks, local_blocks, top_p, min_top_k)
     check_moba_args(q, k, v, block_size=block_size, top_k=top_k)
     if not flex_takes(q):  # the registry sends such calls to another backend
         raise ValueError(

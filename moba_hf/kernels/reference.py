@@ -20,13 +20,15 @@ def moba_attention_reference(
     pooling: str = "mean",
     sink_blocks: int = 0,
     local_blocks: int = 0,
+    top_p: float | None = None,
+    min_top_k: int = 1,
 ) -> torch.Tensor:
     """MoBA attention, clarity first.
 
     q: [B, Hq, Nq, D]; k, v: [B, Hkv, Nk, D] with Hq % Hkv == 0 and Nq <= Nk (queries are the last Nq
     positions). Returns [B, Hq, Nq, D] in q's dtype. Softmax in float32 (float64 stays float64).
     """
-    gate = GateOptions(pooling, sink_blocks, local_blocks)
+    gate = GateOptions(pooling, sink_blocks, local_blocks, top_p, min_top_k)
     check_moba_args(q, k, v, block_size=block_size, top_k=top_k)
     block_size = effective_block_size(block_size, k.shape[2])  # bounded by the sequence
     b, hq, nq, d = q.shape

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..options import POOLINGS  # torch-free, shared with moba_hf.config
-from .checks import check_count, effective_block_size, num_blocks
+from .checks import check_count, check_top_p, effective_block_size, num_blocks
 from .pooling import gate_queries, pooled_keys
 
 _MAX_PASS_PICKS = 2  # up to this many gated picks per query, repeated max passes select instead of topk
@@ -33,24 +33,38 @@ class GateOptions:
     pooling:      how a block's keys are pooled for its score, one of `POOLINGS`
     sink_blocks:  the first n blocks, always attended
     local_blocks: the n blocks before the query's own, always attended
+    top_p:        None: every query takes top_k - 1 gated blocks. A number in (0, 1]: an adaptive budget, each
+                  query takes the fewest best-scoring blocks that, with its forced blocks, cover this share of
+                  the gate's softmax (score / sqrt(head_dim) over the earlier blocks it may attend), between
+                  min_top_k and top_k blocks counting its own (1: the whole mass, the fixed budget)
+    min_top_k:    with top_p, the fewest blocks a query attends, counting its own (1 <= min_top_k <= top_k)
     """
 
     pooling: str = "mean"
     sink_blocks: int = 0
     local_blocks: int = 0
+    top_p: float | None = None
+    min_top_k: int = 1
 
     def __post_init__(self) -> None:
         check_count("sink_blocks", self.sink_blocks, 0)
         check_count("local_blocks", self.local_blocks, 0)
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        check_top_p(self.top_p)
+        check_count("min_top_k", self.min_top_k, 1)
+
+    def check_top_k(self, top_k: int) -> None:
+        """ValueError unless min_top_k <= top_k (top_k itself is checked with the other MoBA arguments)."""
+        if self.min_top_k > top_k:
+            raise ValueError(f"min_top_k must be between 1 and top_k ({top_k}), got {self.min_top_k}")
 
     def reaches_back(self, top_k: int) -> bool:
         """Whether some query may attend a block before its own (else each query sees its own block only)."""
         return top_k > 1 or self.sink_blocks > 0 or self.local_blocks > 0
 
     def as_kwargs(self) -> dict[str, object]:
-        """The public functions' keywords (`pooling=`, `sink_blocks=`, `local_blocks=`)."""
+        """The public functions' keywords (`pooling=`, `sink_blocks=`, `local_blocks=`, `top_p=`, `min_top_k=`)."""
         return dataclasses.asdict(self)
 
 
@@ -112,6 +126,7 @@ def selected_blocks(
             top_k=top_k,
             gate=gate,
             first_block=start // block_size,
+            head_dim=q.shape[3],
         )
         return chosen if seen == nb or trim else F.pad(chosen, (0, nb - seen))
 
@@ -140,6 +155,7 @@ def choose_blocks(
     gate: GateOptions,
     first_block: int = 0,
     masks: tuple[torch.Tensor, torch.Tensor] | None = None,
+    head_dim: int | None = None,
 ) -> torch.Tensor:
     """The MoBA selection rule, given each query's current block and its gate scores.
 
@@ -152,13 +168,18 @@ def choose_blocks(
     `gate.pooling` is already in the scores. first_block: no query's current block is below it (lets the
     exclusion mask skip the columns that are candidates for every row; 0 masks all). masks: `block_masks` of
     these arguments, when the caller keeps them (a decode step's are the same for a whole block of steps; current
-    may then be None).
+    may then be None). head_dim: the queries' head dimension, the softmax temperature of `gate.top_p`.
     """
     forced, excluded = block_masks(current, n_blocks, gate) if masks is None else masks
     selected = forced.expand(*batch_heads, *forced.shape[-2:])
     n_pick = min(top_k - 1, n_blocks)
     if n_pick <= 0:
         return selected if masks is None else selected.clone()  # the caller's kept masks stay untouched
+    if gate.top_p is not None and gate.top_p < 1:  # 1 covers the whole mass: the fixed budget, exactly
+        gate.check_top_k(top_k)
+        if head_dim is None:
+            raise ValueError("choose_blocks needs head_dim with top_p (the temperature of the gate's softmax)")
+        return selected | top_p_picks(scores(), forced, excluded, n_pick, gate, head_dim)
     # a NaN score (a NaN key pooled into the block, or a NaN query) ranks first, as in torch.max / topk, and its
     # block is picked: the row then attends the NaN and shows it instead of hiding it behind other blocks
     gated = scores()
@@ -180,6 +201,46 @@ def choose_blocks(
     top = gated.topk(n_pick, dim=-1, sorted=False)
     picked = torch.zeros_like(gated, dtype=torch.bool).scatter_(-1, top.indices, top.values != float("-inf"))
     return selected | picked
+
+
+def top_p_picks(
+    scores: torch.Tensor,
+    forced: torch.Tensor,
+    excluded: torch.Tensor,
+    n_pick: int,
+    gate: GateOptions,
+    head_dim: int,
+) -> torch.Tensor:
+    """The gated picks of the adaptive budget: bool [B, Hq, Nq, n_blocks].
+
+    Candidates are ranked by score as the fixed budget ranks them (a NaN score first; equal scores by block index)
+    and taken, best first, while the share of the gate's softmax that the forced blocks and the picks so far cover
+    is below `gate.top_p`; at least min_top_k - 1 and at most n_pick of them. Taking the largest shares first is
+    what makes the count the fewest that reach top_p. A NaN-scored candidate is always taken (the row then shows
+    the NaN, as with a fixed budget) and its share counts as 0; +-inf scores count as the dtype's extremes, so an
+    inf-scored block holds the whole mass.
+    """
+    finite = torch.finfo(scores.dtype)
+    nan = scores.isnan()
+    logits = scores.nan_to_num(nan=finite.min, posinf=finite.max, neginf=finite.min) * head_dim**-0.5
+    # the mass is over the earlier blocks a query may attend (its forced sink / local ones and the candidates):
+    # its own block is left out, as its pooled key would hold keys after the query (a prefill pools the whole
+    # block, a decode step the keys so far), so the budget stays causal and decode picks what prefill picks
+    column = torch.arange(forced.shape[-1], device=forced.device)
+    own = column == (forced * column).argmax(dim=-1, keepdim=True)  # the last forced block is the query's own
+    earlier_forced = forced & ~own
+    logits.masked_fill_(excluded & ~earlier_forced, float("-inf"))
+    share = logits.softmax(dim=-1).nan_to_num_(0.0)  # a query in its first block has no earlier block: no mass
+    covered = (share * earlier_forced).sum(dim=-1, keepdim=True)
+    share.masked_fill_(nan | excluded, 0.0)
+    rank_key = scores.clamp(min=finite.min).masked_fill_(nan, float("inf")).masked_fill_(excluded, float("-inf"))
+    order = rank_key.argsort(dim=-1, descending=True, stable=True)
+    ranked = share.gather(-1, order)
+    before = covered + ranked.cumsum(dim=-1) - ranked  # covered before the candidate of each rank is taken
+    rank = torch.arange(order.shape[-1], device=order.device)
+    take = (rank_key.gather(-1, order) > float("-inf")) & (rank < n_pick)
+    take &= (rank < gate.min_top_k - 1) | (before < gate.top_p) | nan.gather(-1, order)
+    return torch.zeros_like(take).scatter_(-1, order, take)
 
 
 def selection_slices(

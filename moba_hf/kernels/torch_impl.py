@@ -529,12 +529,14 @@ def moba_attention_torch(
     pooling: str = "mean",
     sink_blocks: int = 0,
     local_blocks: int = 0,
+    top_p: float | None = None,
+    min_top_k: int = 1,
 ) -> torch.Tensor:
     """MoBA attention (same contract as `moba_attention_reference`) without N x N tensors; autograd-capable.
 
     q: [B, Hq, Nq, D]; k, v: [B, Hkv, Nk, D]; returns [B, Hq, Nq, D] in q's dtype.
     """
-    gate = GateOptions(pooling, sink_blocks, local_blocks)
+    gate = GateOptions(pooling, sink_blocks, local_blocks, top_p, min_top_k)
     check_moba_args(q, k, v, block_size=block_size, top_k=top_k)
     block_size = effective_block_size(block_size, k.shape[2])  # bounded by the sequence
     if has_nonfinite(q, v):

@@ -7,7 +7,7 @@
 
 vLLM calls `register` in every process it starts; it records class paths (a backend is imported only when
 vLLM builds its attention layers) and may run more than once. With no MoBA config anywhere every registered
-class behaves exactly as the vLLM backend it replaces (see `settings`).
+class behaves exactly as the vLLM backend it replaces (see `startup`).
 
     platform  registered                                        picked
     CPU       CPU_ATTN, CUSTOM -> backend (over vLLM's CPU one)   always (vLLM's CPU platform has one backend)

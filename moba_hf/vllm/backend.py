@@ -2,7 +2,7 @@
 
 The KV cache layout, the cache writes (`do_kv_cache_update`) and every dense computation are vLLM's own; what
 changes is the attention of the tokens MoBA covers (`routing`: what both MoBA backends share, read through
-`paged.cpu_layout` here). Without a MoBA config (see `settings`) every layer is vLLM's CPU backend, unchanged.
+`paged.cpu_layout` here). Without a MoBA config (see `startup`) every layer is vLLM's CPU backend, unchanged.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from . import settings
+from . import startup
 from .paged import cpu_layout, gather_sequence
 from .routing import MobaBuilderMixin, MobaFields, MobaImplMixin
 
@@ -52,7 +52,7 @@ def check_cache_layout(isa: str, dtype: torch.dtype, page: int, head_dim: int) -
     got_k = gather_sequence(key_cache, pages, n)
     got_v = gather_sequence(value_cache, pages, n)
     if not (torch.equal(got_k, key.transpose(0, 1)) and torch.equal(got_v, value.transpose(0, 1))):
-        raise settings.MobaSetupError(
+        raise startup.MobaSetupError(
             f"moba_hf: vLLM's CPU KV cache layout for isa={isa!r}, dtype={dtype} is not one the MoBA plugin reads "
             "(it reads the 'vec' / 'vec16' layouts: float32 everywhere, 16-bit dtypes without AMX)"
         )

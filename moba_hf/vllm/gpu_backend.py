@@ -23,7 +23,7 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionMetadataBuilder,
 )
 
-from . import settings
+from . import startup
 from .paged import flash_layout, gather_sequence
 from .routing import MobaBuilderMixin, MobaFields, MobaImplMixin
 
@@ -64,7 +64,7 @@ def check_cache_layout(dtype: torch.dtype, page: int, head_dim: int, device: Any
     triton_reshape_and_cache_flash(key, value, key_cache, value_cache, slots, "auto", one, one)
     got_k, got_v = (gather_sequence(c, torch.tensor([1, 2], device=device), n) for c in triton_layout(kv_cache))
     if not (torch.equal(got_k, key.transpose(0, 1)) and torch.equal(got_v, value.transpose(0, 1))):
-        raise settings.MobaSetupError(
+        raise startup.MobaSetupError(
             f"moba_hf: vLLM's Triton KV cache layout (axis order {order}, dtype={dtype}) is not one the MoBA "
             "plugin reads (keys then values in the last axis of (num_pages, kv_heads, page, 2 * head_dim))"
         )
@@ -80,7 +80,7 @@ class MobaTritonAttentionMetadataBuilder(MobaBuilderMixin, TritonAttentionMetada
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> AttentionCGSupport:
-        if settings.resolve(vllm_config) is not None:
+        if startup.resolve(vllm_config) is not None:
             return AttentionCGSupport.NEVER
         return super().get_cudagraph_support(vllm_config, kv_cache_spec)
 

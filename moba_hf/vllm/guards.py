@@ -24,12 +24,12 @@ def moba_reason() -> str | None:
     """Why a dense GPU backend must not serve this engine: a MoBA config is found; None without one."""
     from vllm.config import get_current_vllm_config
 
-    from . import settings
+    from . import startup
 
     vllm_config = get_current_vllm_config()
     if vllm_config.model_config is None:  # a process that selects backends without a model (none to serve)
         return None
-    found = settings.resolve(vllm_config)
+    found = startup.resolve(vllm_config)
     if found is None:
         return None
     return (

@@ -13,7 +13,7 @@ With Dual Chunk Attention every layer and token runs per sequence (`paged.moba_p
 `do_kv_cache_update` moves the new keys to ``p mod s`` before vLLM's cache write, and `forward` moves the
 queries the same way; dense layers and decode = "full" get dense DCA, the others DCA + MoBA.
 
-Without a MoBA config (see `settings`) every layer is vLLM's backend, unchanged.
+Without a MoBA config (see `startup`) every layer is vLLM's backend, unchanged.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 
 from ..config import MobaConfig
-from . import settings
+from . import startup
 from .paged import PagedDca, PagedGateKeys, dense_decodes, moba_paged
 
 logger = logging.getLogger("moba_hf")
@@ -48,17 +48,17 @@ class Setup(NamedTuple):
 
 
 def setup(vllm_config: VllmConfig) -> Setup | None:
-    """The engine's MoBA config, checked (refusals raise `settings.MobaSetupError`), or None without one; the
+    """The engine's MoBA config, checked (refusals raise `startup.MobaSetupError`), or None without one; the
     first call per config source logs it."""
-    found = settings.resolve(vllm_config)
+    found = startup.resolve(vllm_config)
     if found is None:
         return None
     config, serving, where = found
-    dense = settings.check(vllm_config, config, serving, where)
-    dca = settings.dca_setup(vllm_config, config, where)
+    dense = startup.check(vllm_config, config, serving, where)
+    dca = startup.dca_setup(vllm_config, config, where)
     if where not in _described:
         _described.add(where)
-        logger.warning(settings.describe(config, dense, where, dca))
+        logger.warning(startup.describe(config, dense, where, dca))
     return Setup(config, dense, dca)
 
 
@@ -166,7 +166,7 @@ class MobaImplMixin:
         self, *args: Any, layer_idx: int | None = None, dual_chunk_attention_config: Any = None, **kwargs: Any
     ) -> None:
         # layer_idx, dual_chunk_attention_config: what vLLM's Qwen2 layers pass with a dual_chunk_attention_config
-        # (for vLLM's former DCA backend); `settings` reads that block from the model config itself
+        # (for vLLM's former DCA backend); `startup` reads that block from the model config itself
         super().__init__(*args, **kwargs)
         given = inspect.signature(super().__init__).bind(*args, **kwargs)
         given.apply_defaults()
@@ -193,12 +193,12 @@ class MobaImplMixin:
             }
             present = [name for name, value in unsupported.items() if value is not None]
             if present:
-                raise settings.MobaSetupError(
+                raise startup.MobaSetupError(
                     f"moba_hf: this model's attention uses {', '.join(present)}, which MoBA does not implement"
                 )
             here = platform_kind()
             if here != self.platform:
-                raise settings.MobaSetupError(
+                raise startup.MobaSetupError(
                     f"moba_hf: {type(self).__name__} runs on the {self.platform} platform (its dense parts are "
                     f"vLLM's {self.platform} kernels); this platform is {here}"
                 )
@@ -217,7 +217,7 @@ class MobaImplMixin:
         return self._gate_keys[1]
 
     def _dca_on(self, device: torch.device) -> PagedDca:
-        # the RoPE frequencies on the cache's device (settings reads them on the CPU)
+        # the RoPE frequencies on the cache's device (startup reads them on the CPU)
         if self.dca.inv_freq.device != device:
             self.dca = dataclasses.replace(self.dca, inv_freq=self.dca.inv_freq.to(device))
         return self.dca
