@@ -98,7 +98,7 @@ class OpCase:
         gen = torch.Generator().manual_seed(context)
         self.q = torch.randn(1, HEADS, 1, HEAD_DIM, generator=gen)
         self.k, self.v = (torch.randn(1, KV_HEADS, context, HEAD_DIM, generator=gen) for _ in range(2))
-        self.kw = moba.kernel_kwargs()
+        self.kw = moba.kernel_kwargs(1)
         self.new_key = self.k[:, :, -1:]
         state = moba_cache.BlockState(self.k, moba.block_size, moba.pooling)
         state.append(self.k[:, :, :-1], None)

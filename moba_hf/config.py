@@ -64,6 +64,9 @@ class MobaConfig:
     full_attn_layer_ids: explicit layer indices that keep full attention (alternative to N; negative
                          indices count from the end).
     decode:              what single-token decode steps do: "moba" (sparse) or "full" (dense over the cache).
+    decode_top_k:        with decode = "moba", the blocks a single-token step attends, counting its own; None: top_k.
+                         A decode step reads only its blocks, so a larger budget there costs little next to a
+                         prefill's; an answer's later tokens, which no dense tail covers, may need it.
     backend:             kernel backend, see `moba_hf.kernels.BACKENDS`; "auto" picks the fastest available.
     pooling:             how a block's keys are pooled for the gate: "mean" (the paper), "max", or
                          "mean+max" (sum of both scores), or "bound" (Quest's per-channel upper bound of q.k
@@ -90,6 +93,7 @@ class MobaConfig:
     full_attn_layers: int = 0
     full_attn_layer_ids: tuple[int, ...] | None = None
     decode: str = "moba"
+    decode_top_k: int | None = None
     backend: str = "auto"
     pooling: str = "mean"
     sink_blocks: int = 0
@@ -109,8 +113,12 @@ class MobaConfig:
         _check_int("dense_tail", self.dense_tail, 0)
         _check_top_p(self.top_p)
         _check_int("min_top_k", self.min_top_k, 1)
-        if self.min_top_k > self.top_k:
-            raise ValueError(f"min_top_k must be between 1 and top_k ({self.top_k}), got {self.min_top_k}")
+        if self.decode_top_k is not None:
+            _check_int("decode_top_k", self.decode_top_k, 1)
+        budget = min(self.top_k, self.decode_top_k or self.top_k)
+        if self.min_top_k > budget:
+            which = "top_k" if budget == self.top_k else "decode_top_k"
+            raise ValueError(f"min_top_k must be between 1 and {which} ({budget}), got {self.min_top_k}")
         _check_choice("decode", self.decode, DECODE_MODES)
         _check_backend(self.backend)
         _check_choice("pooling", self.pooling, POOLINGS)
@@ -145,10 +153,16 @@ class MobaConfig:
 
         return GateOptions(self.pooling, self.sink_blocks, self.local_blocks, self.top_p, self.min_top_k)
 
-    def kernel_kwargs(self) -> dict[str, Any]:
+    def step_top_k(self, num_queries: int | None) -> int:
+        """The block budget of a call with `num_queries` new queries: `decode_top_k` for a single-token step when
+        set, else `top_k` (None: not a decode step)."""
+        return self.decode_top_k if num_queries == 1 and self.decode_top_k is not None else self.top_k
+
+    def kernel_kwargs(self, num_queries: int | None = None) -> dict[str, Any]:
         """The MoBA keywords shared by the kernels' public functions (`moba_attention`, `moba_decode`,
-        `dca_attention`); `prefill_kwargs` adds the dense tail."""
-        return dict(block_size=self.block_size, top_k=self.top_k, **self.gate.as_kwargs())
+        `dca_attention`) for a call with `num_queries` new queries (1: a decode step's budget; None: a prompt's);
+        `prefill_kwargs` adds the dense tail."""
+        return dict(block_size=self.block_size, top_k=self.step_top_k(num_queries), **self.gate.as_kwargs())
 
     def tail_queries(self, num_queries: int) -> int:
         """How many of a call's `num_queries` new queries attend densely (`dense_tail`; none in a decode step)."""
@@ -157,7 +171,7 @@ class MobaConfig:
     def prefill_kwargs(self, num_queries: int) -> dict[str, Any]:
         """`kernel_kwargs` plus the dense tail of a call with `num_queries` new queries (`moba_attention`,
         `dca_attention`)."""
-        return dict(self.kernel_kwargs(), dense_tail=self.tail_queries(num_queries))
+        return dict(self.kernel_kwargs(num_queries), dense_tail=self.tail_queries(num_queries))
 
     # --- which layers are dense -------------------------------------------------------------------
     def full_layer_set(self, num_layers: int) -> frozenset[int]:

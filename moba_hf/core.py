@@ -85,7 +85,7 @@ def attend(
 def selection(q: torch.Tensor, k: torch.Tensor, config: MobaConfig, dca: Dca | None = None) -> torch.Tensor:
     """The blocks the "moba" (or, with `dca`, "dca+moba") path lets each query attend: bool [B, Hq, Nq,
     n_blocks], before any dense tail. What sparsity tracking counts when the budget is adaptive (`top_p`)."""
-    gate = dict(block_size=config.block_size, top_k=config.top_k, gate=config.gate)
+    gate = dict(block_size=config.block_size, top_k=config.step_top_k(q.shape[2]), gate=config.gate)
     if dca is None:
         return selected_blocks(q, k, **gate)
     p = dca.params
@@ -113,10 +113,11 @@ def decode(
         k, v = cache
         return moba_decode(
             q, k, v, block_keys, scale=scale, starts=starts, return_selection=return_selection,
-            **config.kernel_kwargs(),
+            **config.kernel_kwargs(q.shape[2]),
         )  # fmt: skip
     if starts is not None or return_selection:
         raise ValueError("decode over a windowed cache takes rows that start at position 0 and returns no selection")
     return moba_decode_cache(
-        q, cache, block_keys, block_size=config.block_size, top_k=config.top_k, gate=config.gate, scale=scale
-    )
+        q, cache, block_keys, block_size=config.block_size, top_k=config.step_top_k(q.shape[2]), gate=config.gate,
+        scale=scale,
+    )  # fmt: skip

@@ -24,7 +24,7 @@ from moba_hf import MobaConfig
 from moba_hf.integration import cache as moba_cache
 from moba_hf.integration import state as moba_state
 from moba_hf.integration.register import moba_mask
-from moba_hf.kernels import causal_attention, moba_attention_reference
+from moba_hf.kernels import causal_attention, moba_attention, moba_attention_reference
 from moba_hf.kernels.decode import block_keys_from_cache, moba_decode
 
 # --- the kernel ---------------------------------------------------------------------------------------------------
@@ -346,6 +346,41 @@ def test_stepwise_cached_decoding_equals_full_forward(arch, decode, budget, monk
         assert (spy.decodes, spy.builds) == (steps * layers, layers)  # built once, then only appended to
     else:
         assert spy.decodes == 0
+
+
+_DECODE_BUDGET = "moba_test_decode_budget_oracle"
+
+
+def _decode_budget_oracle(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """No cache: the queries after the prompt attend with decode_top_k (each query's blocks are its own, so one
+    call over all of them gives every decode step's rows), the prompt's with top_k."""
+    out, _ = moba_hf.integration.moba_attention_forward(module, query, key, value, attention_mask, scaling, **kwargs)
+    moba = moba_hf.integration.attention.resolved_config(module).moba
+    steps = moba_attention(query, key, value, scale=scaling, **moba.kernel_kwargs(1)).transpose(1, 2)
+    first = _oracle_dense[0]
+    return torch.cat([out[:, :first], steps[:, first:]], dim=1), None
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_decode_top_k_is_the_budget_of_every_decode_step(arch):
+    moba = MobaConfig(block_size=5, top_k=2, decode_top_k=4)
+    model = tiny_model(arch, moba)
+    ids = torch.randint(0, 97, (2, 29))
+    prompt = 8
+    with torch.no_grad():
+        AttentionInterface.register(_DECODE_BUDGET, _decode_budget_oracle)
+        AttentionMaskInterface.register(_DECODE_BUDGET, moba_mask)
+        _oracle_dense[:] = [prompt, None]
+        model.set_attn_implementation(_DECODE_BUDGET)
+        want = model(ids).logits
+        model.set_attn_implementation("moba")
+        plain = model(ids).logits
+        cache = DynamicCache(config=model.config)
+        got = [model(ids[:, :prompt], **{CACHE: cache}, use_cache=True).logits]
+        for t in range(prompt, ids.shape[1]):
+            got.append(model(ids[:, t : t + 1], **{CACHE: cache}, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(got, dim=1), want, rtol=MODEL_TOL, atol=MODEL_TOL)
+    assert not torch.allclose(want, plain, rtol=MODEL_TOL, atol=MODEL_TOL)  # the larger budget changed the steps
 
 
 # --- decode="moba" is MoBA at every step, on every machine and in every process ------------------------------------

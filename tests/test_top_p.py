@@ -132,6 +132,8 @@ def test_selected_pairs_counts_a_dense_tail_as_causal():
         ({"top_p": "0.5"}, r"top_p must be .* got '0.5'"),
         ({"min_top_k": 0}, r"min_top_k must be an integer >= 1, got 0"),
         ({"top_k": 3, "min_top_k": 4}, r"min_top_k must be between 1 and top_k \(3\), got 4"),
+        ({"top_k": 3, "decode_top_k": 2, "min_top_k": 3}, r"min_top_k must be between 1 and decode_top_k \(2\)"),
+        ({"top_k": 3, "decode_top_k": 0}, r"decode_top_k must be an integer >= 1, got 0"),
     ],
 )
 def test_bad_values_are_refused_naming_the_field_and_range(fields, message):

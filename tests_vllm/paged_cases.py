@@ -46,6 +46,7 @@ CONFIGS = {
     "blk20-k2-decodefull": MobaConfig(block_size=20, top_k=2, decode="full", pooling="mean+max"),
     "blk48-k2-bound-tail30": MobaConfig(block_size=48, top_k=2, pooling="bound", dense_tail=30),
     "blk16-k5-bound-sink1-topp0.5": MobaConfig(block_size=16, top_k=5, pooling="bound", sink_blocks=1, top_p=0.5),
+    "blk16-k2-decodek4": MobaConfig(block_size=16, top_k=2, decode_top_k=4),
 }
 
 # (kv_cache, keys (n, kv_heads, D), values, slots (n,)) -> None: stores them as the backend's cache write does
@@ -113,7 +114,7 @@ def moba_answer(config: MobaConfig, q, k, v, scale: float, *, dense: bool = Fals
     nq = q.shape[2]
     if dense or (nq == 1 and config.decode == "full"):
         return causal_attention(q, k, v, scale=scale)
-    want = moba_attention(q, k, v, scale=scale, **config.kernel_kwargs())
+    want = moba_attention(q, k, v, scale=scale, **config.kernel_kwargs(nq))
     tail = min(config.dense_tail, nq) if nq > 1 else 0  # a prompt's or a chunk's last queries, not a decode
     if tail:
         want[:, :, nq - tail :] = causal_attention(q[:, :, nq - tail :], k, v, scale=scale)
@@ -141,7 +142,7 @@ def dca_answer(config: MobaConfig, dca: PagedDca, raw_q, raw_k, v, n: int, scale
     k = rotate(raw_k, p[:, None] % S, dca.inv_freq).transpose(0, 1)[None]
     v = v.transpose(0, 1)[None]
     dense = not config.sparse or (nq == 1 and config.decode == "full")
-    moba = {} if dense else config.kernel_kwargs()
+    moba = {} if dense else config.kernel_kwargs(nq)
     dca_args = dict(pretraining_length=C, chunk_size=S, inv_freq=dca.inv_freq, scale=scale,
                     temperature=dca.params.temperature_factor(n))  # fmt: skip
     if n > S:

@@ -86,7 +86,7 @@ def decode_step(config, kv_cache, pages, keys, values, query, gate_keys):
     )  # fmt: skip
     want = moba_attention(
         query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-        scale=D**-0.5, **config.kernel_kwargs(),
+        scale=D**-0.5, **config.kernel_kwargs(1),
     )  # fmt: skip
     return output.transpose(0, 1)[None], want
 

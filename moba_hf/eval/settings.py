@@ -79,6 +79,14 @@ def _sweep_grid() -> dict[str, MobaConfig]:
         (64, 4, 0, {**_TRAINING_FREE_GATE, "dense_tail": 128}),
         # the first two layers dense: what kept the prose needles at 8K (more blocks or a longer dense tail did not)
         (64, 5, 0, {"full_attn_layer_ids": (0, 1), **_TRAINING_FREE_GATE, "dense_tail": 64}),
+        # decode in the choice: that shape with dense decode steps, and with an adaptive budget (top_p) instead
+        (64, 5, 0, {"full_attn_layer_ids": (0, 1), **_TRAINING_FREE_GATE, "dense_tail": 64, "decode": "full"}),
+        (
+            64,
+            12,
+            0,
+            {"full_attn_layer_ids": (0, 1), **_TRAINING_FREE_GATE, "dense_tail": 64, "top_p": 0.8, "min_top_k": 3},
+        ),
     ]:
         name = f"b{bs}-k{k}-f{full}" + "".join(
             f"-{_SHORT.get(key, key.split('_')[0])}{_short_value(v)}" for key, v in extra.items()
