@@ -179,9 +179,7 @@ def main() -> None:
                 verified = False
                 continue
             print(f"verify {name} ({gate}): {res}")
-            lines.append(
-                f"| {name} | {gate} | {res['out']} | {res['dq']} | {res['dk']} | {res['dv']} | {res['ok']} |"
-            )
+            lines.append(f"| {name} | {gate} | {res['out']} | {res['dq']} | {res['dk']} | {res['dv']} | {res['ok']} |")
             verified &= res["ok"]
         if verified:
             backends.append(name)

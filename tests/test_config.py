@@ -206,7 +206,7 @@ def test_training_free_preset_is_the_swept_setting():
     preset = MobaConfig.preset("training-free")
     assert preset == MobaConfig(
         block_size=64, top_k=5, full_attn_layer_ids=(0, 1), pooling="bound", sink_blocks=1, local_blocks=1,
-        dense_tail=64,
+        dense_tail=64, decode="full",
     )  # fmt: skip
     from moba_hf.eval.sweep import DEFAULT_GRID
 
@@ -506,3 +506,11 @@ def test_readme_field_table_lists_every_field():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     table = readme.split("| field | default | meaning |", 1)[1].split("\n\n")[0]
     assert set(re.findall(r"^\| `(\w+)` \|", table, re.M)) == {f.name for f in dataclasses.fields(MobaConfig)}
+
+
+def test_the_shipped_sweep_settings_file_loads():
+    from moba_hf.eval.settings import load_settings_file
+
+    settings = load_settings_file(Path(__file__).resolve().parents[1] / "configs" / "sweep_decode_levers.toml")
+    assert [s.name for s in settings][-1] == "dense-decode" and settings[-1].moba == MobaConfig.preset("training-free")
+    assert {s.moba.decode for s in settings[:-1]} == {"moba"}
