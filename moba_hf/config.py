@@ -21,7 +21,15 @@ except ImportError:  # Python 3.10
 
 # no torch here: reading a config (and `moba-hf presets`) must not load the kernels
 from .dca.config import DcaConfig, check_block_multiple
-from .options import BUILTIN_BACKENDS, POOLINGS, file_bool, file_int, kv_cache_dtype
+from .options import (
+    BUILTIN_BACKENDS,
+    POOLINGS,
+    check_budget_options,
+    check_top_p,
+    file_bool,
+    file_int,
+    kv_cache_dtype,
+)
 
 if TYPE_CHECKING:
     from .kernels.selection import GateOptions
@@ -32,12 +40,6 @@ DECODE_MODES = ("moba", "full")
 def _check_int(name: str, value: Any, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-
-
-def _check_top_p(value: Any) -> None:
-    # a real number in (0, 1]; NaN fails the comparison (bool is an int, not a share)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1):
-        raise ValueError(f"top_p must be None (a fixed top_k budget) or a number in (0, 1], got {value!r}")
 
 
 def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
@@ -64,7 +66,8 @@ class MobaConfig:
     full_attn_layer_ids: explicit layer indices that keep full attention (alternative to N; negative
                          indices count from the end).
     decode:              what single-token decode steps do: "moba" (sparse) or "full" (dense over the cache).
-    decode_top_k:        with decode = "moba", the blocks a single-token step attends, counting its own; None: top_k.
+    decode_top_k:        with decode = "moba" (refused with "full"), the blocks a single-token step attends, counting
+                         its own; None: top_k.
                          A decode step reads only its blocks, so a larger budget there costs little next to a
                          prefill's; an answer's later tokens, which no dense tail covers, may need it.
     backend:             kernel backend, see `moba_hf.kernels.BACKENDS`; "auto" picks the fastest available.
@@ -78,7 +81,8 @@ class MobaConfig:
                          with its sink and local blocks, cover this share of the gate's softmax (score /
                          sqrt(head_dim) over the earlier blocks it may attend), at most top_k counting its own
                          (1.0: the whole mass, i.e. the fixed budget). Measure its sparsity (track_sparsity).
-    min_top_k:           with top_p, the fewest blocks each query attends, counting its own (1..top_k).
+    min_top_k:           with top_p, the fewest blocks each query attends, counting its own (1..top_k; refused
+                         without top_p, where it would change nothing).
     dense_tail:          the last n queries of every call that brings more than one new token (a prompt, or a
                          chunk of one) attend every earlier key, densely; the rest of the call stays sparse. The
                          end of a prompt usually holds the question, which needs to see the whole context.
@@ -111,10 +115,16 @@ class MobaConfig:
         _check_int("sink_blocks", self.sink_blocks, 0)
         _check_int("local_blocks", self.local_blocks, 0)
         _check_int("dense_tail", self.dense_tail, 0)
-        _check_top_p(self.top_p)
+        check_top_p(self.top_p)
         _check_int("min_top_k", self.min_top_k, 1)
+        check_budget_options(self.top_p, self.min_top_k)
         if self.decode_top_k is not None:
             _check_int("decode_top_k", self.decode_top_k, 1)
+            if self.decode != "moba":
+                raise ValueError(
+                    f"decode_top_k is the budget of sparse decode steps: it needs decode='moba', got "
+                    f"decode_top_k={self.decode_top_k} with decode={self.decode!r}"
+                )
         budget = min(self.top_k, self.decode_top_k or self.top_k)
         if self.min_top_k > budget:
             which = "top_k" if budget == self.top_k else "decode_top_k"

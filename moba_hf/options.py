@@ -6,6 +6,7 @@ against these without importing the kernels, so reading a config file (and `moba
 
 from __future__ import annotations
 
+import numbers
 import re
 from typing import Any
 
@@ -22,6 +23,21 @@ KV_CACHE_DTYPES = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
     "float32": "float32", "fp32": "float32", "float": "float32",
 }  # fmt: skip
+
+
+def check_top_p(value: object) -> None:
+    """`top_p` is None (a fixed top_k budget) or a real number in (0, 1] (NaN fails the comparison; a bool is not
+    a share)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value <= 1):
+        raise ValueError(f"top_p must be None (a fixed top_k budget) or a number in (0, 1], got {value!r}")
+
+
+def check_budget_options(top_p: object, min_top_k: object) -> None:
+    """min_top_k only bounds an adaptive budget: one given without top_p would change nothing, so it is refused."""
+    if top_p is None and min_top_k != 1:
+        raise ValueError(
+            f"min_top_k applies only with top_p (an adaptive budget); got min_top_k={min_top_k!r} and top_p=None"
+        )
 
 
 def kv_cache_dtype(value: object, name: str = "kv_cache_dtype") -> str:

@@ -480,7 +480,7 @@ def test_torch_free_names_agree_with_the_kernels():
     tree = ast.parse(Path(options.__file__).read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert imported <= {"__future__", "re", "typing"}  # the bottom layer: kernels import it
+    assert imported <= {"__future__", "numbers", "re", "typing"}  # the bottom layer: kernels import it
 
     assert selection.POOLINGS is options.POOLINGS
     assert tuple(kernels.BACKENDS)[: len(options.BUILTIN_BACKENDS)] == options.BUILTIN_BACKENDS

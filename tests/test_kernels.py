@@ -37,6 +37,8 @@ def _assert_matches_reference(fn, shape, gate, dtype=torch.float64):
     q, k, v = _inputs(shape, dtype)
     atol = rtol = case_tol(shape, dtype)
     kw = {"block_size": shape[6], "top_k": shape[7], **gate}
+    if "min_top_k" in kw:  # the adaptive budget's floor, within each case's top_k (top_k = 1 cases included)
+        kw["min_top_k"] = min(kw["min_top_k"], kw["top_k"])
     grad = torch.randn(q.shape, dtype=dtype)
     expected = _fwd_bwd(moba_attention_reference, q, k, v, grad, **kw)
     actual = _fwd_bwd(fn, q, k, v, grad, **kw)

@@ -58,22 +58,6 @@ def test_the_picks_are_the_fewest_that_cover_top_p():
             assert covered >= 0.7 - 1e-12 or bool(picks.all())
 
 
-def test_torch_kernel_matches_reference_with_gradients_on_every_case():
-    for shape in CASES.values():
-        b, hq, hkv, nq, nk, d, bs, top_k = shape
-        q, k, v = (torch.randn(b, h, n, d, dtype=torch.float64, requires_grad=True)
-                   for h, n in ((hq, nq), (hkv, nk), (hkv, nk)))  # fmt: skip
-        kw = dict(block_size=bs, top_k=top_k, top_p=0.6, pooling="bound", local_blocks=1)
-        grad = torch.randn(b, hq, nq, d, dtype=torch.float64)
-        want = moba_attention_reference(q, k, v, **kw)
-        got = moba_attention_torch(q, k, v, **kw)
-        tol = rounding_tol(torch.float64, nq, nk, d)
-        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-        got_grads, want_grads = torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)
-        for g, w in zip(got_grads, want_grads, strict=True):
-            torch.testing.assert_close(g, w, rtol=tol, atol=tol)
-
-
 @pytest.mark.parametrize("which,value", [("k", float("nan")), ("q", float("nan")), ("k", float("inf"))])
 def test_nan_and_inf_propagate_as_in_the_reference(which, value):
     assert_propagates_like_reference(
@@ -131,9 +115,14 @@ def test_selected_pairs_counts_a_dense_tail_as_causal():
         ({"top_p": True}, r"top_p must be .* got True"),
         ({"top_p": "0.5"}, r"top_p must be .* got '0.5'"),
         ({"min_top_k": 0}, r"min_top_k must be an integer >= 1, got 0"),
-        ({"top_k": 3, "min_top_k": 4}, r"min_top_k must be between 1 and top_k \(3\), got 4"),
-        ({"top_k": 3, "decode_top_k": 2, "min_top_k": 3}, r"min_top_k must be between 1 and decode_top_k \(2\)"),
+        ({"top_k": 3, "top_p": 0.5, "min_top_k": 4}, r"min_top_k must be between 1 and top_k \(3\), got 4"),
+        (
+            {"top_k": 3, "top_p": 0.5, "decode_top_k": 2, "min_top_k": 3},
+            r"min_top_k must be between 1 and decode_top_k \(2\)",
+        ),
         ({"top_k": 3, "decode_top_k": 0}, r"decode_top_k must be an integer >= 1, got 0"),
+        ({"min_top_k": 2}, r"min_top_k applies only with top_p .* got min_top_k=2 and top_p=None"),
+        ({"top_k": 3, "decode_top_k": 8, "decode": "full"}, r"decode_top_k .* needs decode='moba', .*decode='full'"),
     ],
 )
 def test_bad_values_are_refused_naming_the_field_and_range(fields, message):
@@ -145,10 +134,15 @@ def test_bad_values_are_refused_naming_the_field_and_range(fields, message):
             moba_attention_reference(q, k, k, block_size=4, top_k=3, **fields)
 
 
-def test_the_kernels_refuse_min_top_k_above_top_k():
+@pytest.mark.parametrize("top_k,top_p,dense_tail", [(2, 0.5, 0), (1, 0.5, 0), (2, 1.0, 0), (2, 0.5, 16)])
+def test_the_kernels_refuse_min_top_k_above_top_k(top_k, top_p, dense_tail):
+    """Also where nothing is gated (top_k = 1), the budget is the fixed one (top_p = 1) or the dense tail covers
+    every query (the gate never runs)."""
+    from moba_hf.kernels import moba_attention
+
     q, k = _qk(b=1, n=16)
-    with pytest.raises(ValueError, match=r"min_top_k must be between 1 and top_k \(2\), got 3"):
-        moba_attention_reference(q, k, k, block_size=4, top_k=2, top_p=0.5, min_top_k=3)
+    with pytest.raises(ValueError, match=rf"min_top_k must be between 1 and top_k \({top_k}\), got 3"):
+        moba_attention(q, k, k, block_size=4, top_k=top_k, top_p=top_p, min_top_k=3, dense_tail=dense_tail)
 
 
 def test_a_config_file_carries_the_budget(tmp_path):

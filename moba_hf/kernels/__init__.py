@@ -194,10 +194,11 @@ def moba_attention(
         top_p=top_p,
         min_top_k=min_top_k,
     )
+    # checked here: a call that gates nothing (top_k = 1, or a tail over every query) never reaches the selection
+    GateOptions(pooling, sink_blocks, local_blocks, top_p, min_top_k).check_top_k(top_k)
     if not dense_tail:
         return _loaded[name](q, k, v, **options)
     check_moba_args(q, k, v, block_size=block_size, top_k=top_k)
-    GateOptions(pooling, sink_blocks, local_blocks, top_p, min_top_k)  # checked before a tail-only call skips the gate
     return with_dense_tail(
         q,
         k,

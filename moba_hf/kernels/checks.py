@@ -14,14 +14,6 @@ def check_count(name: str, value: object, low: int) -> None:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
-def check_top_p(value: object) -> None:
-    """None (a fixed budget) or a real number in (0, 1]."""
-    if value is not None and (
-        isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value <= 1  # NaN fails too
-    ):
-        raise ValueError(f"top_p must be None (every query takes top_k blocks) or a number in (0, 1], got {value!r}")
-
-
 def check_moba_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: int, top_k: int) -> None:
     """Raise ValueError naming the parameter, its value and the valid range for any bad argument (the gate's
     options are checked by `GateOptions`)."""

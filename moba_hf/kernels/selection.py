@@ -19,8 +19,12 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from ..options import POOLINGS  # torch-free, shared with moba_hf.config
-from .checks import check_count, check_top_p, effective_block_size, num_blocks
+from ..options import (
+    POOLINGS,  # torch-free, shared with moba_hf.config
+    check_budget_options,
+    check_top_p,
+)
+from .checks import check_count, effective_block_size, num_blocks
 from .pooling import gate_queries, pooled_keys
 
 _MAX_PASS_PICKS = 2  # up to this many gated picks per query, repeated max passes select instead of topk
@@ -53,10 +57,11 @@ class GateOptions:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
         check_top_p(self.top_p)
         check_count("min_top_k", self.min_top_k, 1)
+        check_budget_options(self.top_p, self.min_top_k)
 
     def check_top_k(self, top_k: int) -> None:
         """ValueError unless min_top_k <= top_k (top_k itself is checked with the other MoBA arguments)."""
-        if self.min_top_k > top_k:
+        if self.min_top_k > 1 and self.min_top_k > top_k:  # 1 is within any valid top_k; a bad top_k is named later
             raise ValueError(f"min_top_k must be between 1 and top_k ({top_k}), got {self.min_top_k}")
 
     def reaches_back(self, top_k: int) -> bool:
@@ -170,13 +175,13 @@ def choose_blocks(
     these arguments, when the caller keeps them (a decode step's are the same for a whole block of steps; current
     may then be None). head_dim: the queries' head dimension, the softmax temperature of `gate.top_p`.
     """
+    gate.check_top_k(top_k)
     forced, excluded = block_masks(current, n_blocks, gate) if masks is None else masks
     selected = forced.expand(*batch_heads, *forced.shape[-2:])
     n_pick = min(top_k - 1, n_blocks)
     if n_pick <= 0:
         return selected if masks is None else selected.clone()  # the caller's kept masks stay untouched
     if gate.top_p is not None and gate.top_p < 1:  # 1 covers the whole mass: the fixed budget, exactly
-        gate.check_top_k(top_k)
         if head_dim is None:
             raise ValueError("choose_blocks needs head_dim with top_p (the temperature of the gate's softmax)")
         return selected | top_p_picks(scores(), forced, excluded, n_pick, gate, head_dim)
