@@ -68,3 +68,12 @@ def test_bench_decode_op_checks_then_times_idle_and_busy(tmp_path):
     settings = ("default", "training-free")
     assert cases == [(s, c, load) for load in ("idle", "busy") for s in settings for c in ("128", "300")]
     assert all(float(r["moba_min_ms"]) > 0 and float(r["speedup_best"]) > 0 and r["date"] and r["torch"] for r in rows)
+
+
+def test_tail_selection_probe_checks_its_kernel_first():
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "probe_tail_selection.py"), "--check-only"]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "check: tail-estimated torch kernel vs naive" in res.stdout and "-> ok" in res.stdout
+    bad = subprocess.run([*cmd[:2], "--tail", "0"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert bad.returncode == 2 and "--tail must be at least 1, got 0" in bad.stderr

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import subprocess
 import sys
@@ -500,7 +501,6 @@ def test_a_registered_backend_is_a_valid_name():
 
 
 def test_readme_field_table_lists_every_field():
-    import dataclasses
     import re
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
@@ -508,9 +508,12 @@ def test_readme_field_table_lists_every_field():
     assert set(re.findall(r"^\| `(\w+)` \|", table, re.M)) == {f.name for f in dataclasses.fields(MobaConfig)}
 
 
-def test_the_shipped_sweep_settings_file_loads():
+def test_the_shipped_sweep_settings_files_load():
     from moba_hf.eval.settings import load_settings_file
 
-    settings = load_settings_file(Path(__file__).resolve().parents[1] / "configs" / "sweep_decode_levers.toml")
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    settings = load_settings_file(configs / "sweep_decode_levers.toml")
     assert [s.name for s in settings][-1] == "dense-decode" and settings[-1].moba == MobaConfig.preset("training-free")
     assert {s.moba.decode for s in settings[:-1]} == {"moba"}
+    k5, k3 = load_settings_file(configs / "sweep_tail_probe.toml")
+    assert k5.moba == MobaConfig.preset("training-free") and k3.moba == dataclasses.replace(k5.moba, top_k=3)

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from moba_hf.config import MobaConfig
-from moba_hf.eval.harness import TASKS_DIR, _moba_from_args, run_lm_eval, write_task_data
+from moba_hf.eval.harness import TASKS_DIR, _moba_from_args, _with_embedded_paths, run_lm_eval, write_task_data
 from moba_hf.integration import track_sparsity
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -48,6 +48,22 @@ def test_moba_model_args():
     )
 
 
+def test_embedded_model_name_becomes_its_local_directory(monkeypatch, tmp_path):
+    """pretrained=smollm2 reaches lm-eval (and RULER's prompt builder, which reads the tokenizer from the model
+    args) as the embedded model's local copy; paths, hub ids and other args pass unchanged."""
+    import moba_hf.models as models
+
+    monkeypatch.setattr(models, "local_path", lambda name: tmp_path / name)
+    local = tmp_path / "smollm2"
+    argv = ["--model", "hf-moba", "--model_args", "pretrained=smollm2,moba=training-free,dtype=float32"]
+    assert _with_embedded_paths(argv)[3] == f"pretrained={local},moba=training-free,dtype=float32"
+    assert _with_embedded_paths(["--model_args=tokenizer=smollm2,pretrained=org/smollm2"]) == [
+        f"--model_args=tokenizer={local},pretrained=org/smollm2"
+    ]
+    given = ["--model_args", f"pretrained={tmp_path}"]
+    assert _with_embedded_paths(given) == given
+
+
 def _results(out) -> dict:
     files = sorted(out.rglob("results_*.json"))
     assert files, f"lm-eval wrote no results under {out}"
@@ -79,3 +95,22 @@ def test_lm_eval_plain_hf_with_attn_implementation_moba(task_dir, tmp_path):
     assert code == 0
     assert "moba_passkey" in _results(tmp_path / "out")
     assert stats.layers  # the "moba" attention function was called
+
+
+@pytest.mark.slow  # RULER builds its word list and 500 prompts: about 30 s
+def test_lm_eval_ruler_task_generates_offline_and_runs_moba(tiny_dir, tmp_path):
+    """RULER's niah_single_1 (lm-eval's ruler extra, in our eval extra) builds its prompts here, with the
+    checkpoint's tokenizer and nothing downloaded, and runs on hf-moba."""
+    pytest.importorskip("wonderwords")
+    model_args = f"pretrained={tiny_dir},dtype=float32,moba_block_size=32,moba_top_k=2"
+    with track_sparsity() as stats:
+        code = run_lm_eval(["--model", "hf-moba", "--model_args", model_args, "--tasks", "niah_single_1",
+                            "--metadata", json.dumps({"max_seq_lengths": [512]}), "--device", "cpu",
+                            "--limit", "1", "--gen_kwargs", "max_gen_toks=4",
+                            "--output_path", str(tmp_path / "out"), "--log_samples"])  # fmt: skip
+    assert code == 0
+    assert 0.0 <= _results(tmp_path / "out")["niah_single_1"]["512,none"] <= 1.0
+    (samples,) = tmp_path.joinpath("out").rglob("samples_niah_single_1_*.jsonl")
+    doc = json.loads(samples.read_text().splitlines()[0])["doc"]
+    assert doc["max_length"] == 512 and doc["outputs"][0] in doc["input"]  # the needle's value is in the prompt
+    assert stats.overall > 0.3  # block 32, top 2 over ~380-token prompts: MoBA ran inside lm-eval

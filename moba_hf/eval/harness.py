@@ -11,6 +11,8 @@ our task folder added to --include_path. From Python, `import moba_hf` before `l
 "hf-moba" is lm-eval's HFLM with a MoBA setting from the model args, e.g.
     --model hf-moba --model_args pretrained=PATH,moba=paper-8k
     --model hf-moba --model_args pretrained=PATH,moba_block_size=64,moba_top_k=16
+`pretrained=smollm2` (or `tokenizer=smollm2`) names the embedded model: its local copy's directory is passed on,
+so lm-eval and RULER's prompt builder (which reads the tokenizer from these args) find it offline.
 """
 
 from __future__ import annotations
@@ -70,6 +72,30 @@ def register_lm_eval() -> None:
     register_model(MODEL_NAME)(MobaHFLM)
 
 
+def _embedded_paths(model_args: str) -> str:
+    """`pretrained=` / `tokenizer=` naming an embedded model (models.EMBEDDED) -> its local directory (made on first
+    use); other args as given. Only lm-eval's comma-separated key=value form is read."""
+    from ..models import EMBEDDED, local_path
+
+    def resolved(item: str) -> str:
+        key, _, value = item.partition("=")
+        if key.strip() in ("pretrained", "tokenizer") and value.strip() in EMBEDDED and not Path(value).exists():
+            return f"{key}={local_path(value.strip())}"
+        return item
+
+    return ",".join(resolved(item) for item in model_args.split(","))
+
+
+def _with_embedded_paths(argv: list[str]) -> list[str]:
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg.startswith("--model_args="):
+            out[i] = "--model_args=" + _embedded_paths(arg.removeprefix("--model_args="))
+        elif arg == "--model_args" and i + 1 < len(out):
+            out[i + 1] = _embedded_paths(out[i + 1])
+    return out
+
+
 def run_lm_eval(argv: Sequence[str]) -> int:
     """lm-eval's command line, in this process, after registration; adds our task folder to --include_path."""
     try:
@@ -79,6 +105,7 @@ def run_lm_eval(argv: Sequence[str]) -> int:
     argv = list(argv)
     if not {"-h", "--help"} & set(argv):  # help exits before any model is built: skip loading transformers
         register_lm_eval()
+        argv = _with_embedded_paths(argv)
     if argv and argv[0] == "--":
         argv = argv[1:]
     if "--include_path" not in argv and not any(a.startswith("--include_path=") for a in argv):
