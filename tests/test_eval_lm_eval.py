@@ -101,7 +101,6 @@ def test_lm_eval_plain_hf_with_attn_implementation_moba(task_dir, tmp_path):
 def test_lm_eval_ruler_task_generates_offline_and_runs_moba(tiny_dir, tmp_path):
     """RULER's niah_single_1 (lm-eval's ruler extra, in our eval extra) builds its prompts here, with the
     checkpoint's tokenizer and nothing downloaded, and runs on hf-moba."""
-    pytest.importorskip("wonderwords")
     model_args = f"pretrained={tiny_dir},dtype=float32,moba_block_size=32,moba_top_k=2"
     with track_sparsity() as stats:
         code = run_lm_eval(["--model", "hf-moba", "--model_args", model_args, "--tasks", "niah_single_1",
