@@ -28,7 +28,6 @@ Both use transformers' DynamicCache, which copies the whole cache at every step 
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import inspect
 import os
@@ -44,7 +43,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench_attention import busy  # noqa: E402
+from bench_attention import append_rows, busy  # noqa: E402
 
 from moba_hf import MobaConfig  # noqa: E402
 from moba_hf.integration import cache as moba_cache  # noqa: E402
@@ -287,10 +286,7 @@ def main(argv: list[str] | None = None) -> None:
                     print(rows[-1], flush=True)
 
     rows = [{**row, **common} for row in rows]
-    with args.csv.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    append_rows(args.csv, rows)  # earlier runs' rows stay, each with its date and command
     print(f"\n{common}")
     print("| bench | setting | context | load | MoBA min / median ms | SDPA min / median ms | best | median |")
     for row in rows:

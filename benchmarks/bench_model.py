@@ -2,6 +2,7 @@
 
     python benchmarks/bench_model.py                     # 16K tokens, block 512, top 3, backend torch
     python benchmarks/bench_model.py --tokens 4096 --repeats 2
+    python benchmarks/bench_model.py --tokens 4096 --loads idle   # without the busy timing
     python benchmarks/bench_model.py --tokens 8000 --config training-free --repeats 3
     python benchmarks/bench_model.py --dtype bfloat16    # SmolLM2's published dtype
     python benchmarks/bench_model.py --tokens 32768 --config dca-moba --baseline dense   # vs dense DCA
@@ -13,13 +14,16 @@ DCA chunks (same rule, against float64 dense DCA); then times one
 prefill forward (`use_cache=False`, only the last position's logits) per setting and repeat, after a short
 warm-up of each, alternating the settings. Ratio = baseline time / MoBA time. The baseline is "sdpa", or with
 `--baseline dense` the same config with `sparse = false` (dense DCA for a config with DCA: what MoBA saves on top
-of DCA). A CSV row per setting carries torch version, threads and settings.
+of DCA). The timing runs idle (nothing added; other jobs on a shared machine still run) and busy (`--busy`
+CPU-bound processes beside it), as `--loads` says. A CSV row per load carries the date, torch version, threads,
+load and settings, with the ratio of the best and of the median times.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import platform
 import statistics
@@ -31,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_attention import append_rows  # noqa: E402
+from bench_attention import append_rows, busy  # noqa: E402
 
 from moba_hf import MobaConfig, core  # noqa: E402
 from moba_hf.integration import apply, revert, rope_remap  # noqa: E402
@@ -95,6 +99,8 @@ def main() -> None:
         help="sdpa, or dense: the config with sparse = false (dense DCA when it has DCA)",
     )  # fmt: skip
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="model weights and activations")
+    p.add_argument("--loads", nargs="+", choices=["idle", "busy"], default=["idle", "busy"])
+    p.add_argument("--busy", type=int, default=1, help="CPU-bound processes beside the busy timing")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--csv", default="benchmarks/results_model.csv")
     args = p.parse_args()
@@ -130,9 +136,6 @@ def main() -> None:
     if dca is not None and args.baseline == "dense":
         verify_dca(model, moba, dca.chunk_size, vocab)
 
-    # warm both settings up, then alternate them so each sees the same machine load
-    times: dict[str, list[float]] = {"sdpa": [], "moba": []}  # "sdpa": the baseline
-
     def switch(setting: str) -> None:
         if setting == "moba":
             apply(model, moba)
@@ -141,41 +144,53 @@ def main() -> None:
         else:
             revert(model)
 
-    for setting in ("sdpa", "moba"):
+    for setting in ("sdpa", "moba"):  # warm-up
         switch(setting)
         prefill(model, ids[:, : 2 * moba.block_size])
-    for _ in range(args.repeats):
-        for setting in ("sdpa", "moba"):
-            switch(setting)
-            times[setting].append(prefill(model, ids))
-            name = args.baseline if setting == "sdpa" else setting
-            print(f"{name} prefill {args.tokens} tokens: {times[setting][-1]:.1f} s", flush=True)
+    rows = []
+    for load_name in args.loads:
+        times: dict[str, list[float]] = {"sdpa": [], "moba": []}  # "sdpa": the baseline
+        with busy(args.busy if load_name == "busy" else 0):
+            for _ in range(args.repeats):  # alternate the settings so both see the same machine load
+                for setting in ("sdpa", "moba"):
+                    switch(setting)
+                    times[setting].append(prefill(model, ids))
+                    name = args.baseline if setting == "sdpa" else setting
+                    print(f"{load_name}: {name} prefill {args.tokens} tokens: {times[setting][-1]:.1f} s", flush=True)
+        sdpa_median, moba_median = statistics.median(times["sdpa"]), statistics.median(times["moba"])
+        rows.append(
+            {
+                "date": datetime.date.today().isoformat(),
+                "torch": torch.__version__,
+                "device": f"{platform.machine()} cpu x{torch.get_num_threads()} threads",
+                "model": f"SmolLM2-135M-Instruct {args.dtype}",
+                "tokens": args.tokens,
+                "block_size": moba.block_size,
+                "top_k": moba.top_k,
+                "backend": args.backend,
+                "repeats": args.repeats,
+                "baseline": args.baseline,
+                "load": load_name,
+                "busy_processes": args.busy if load_name == "busy" else 0,
+                "sdpa_min_s": round(min(times["sdpa"]), 2),
+                "sdpa_median_s": round(sdpa_median, 2),
+                "moba_min_s": round(min(times["moba"]), 2),
+                "moba_median_s": round(moba_median, 2),
+                "ratio_min": round(min(times["sdpa"]) / min(times["moba"]), 2),
+                "ratio_median": round(sdpa_median / moba_median, 2),
+                "moba_config": json.dumps(moba.to_dict(), sort_keys=True),
+            }
+        )
     revert(model)
-
-    row = {
-        "torch": torch.__version__,
-        "device": f"{platform.machine()} cpu x{torch.get_num_threads()} threads",
-        "model": f"SmolLM2-135M-Instruct {args.dtype}",
-        "tokens": args.tokens,
-        "block_size": moba.block_size,
-        "top_k": moba.top_k,
-        "backend": args.backend,
-        "repeats": args.repeats,
-        "baseline": args.baseline,
-        "sdpa_min_s": round(min(times["sdpa"]), 2),
-        "sdpa_median_s": round(statistics.median(times["sdpa"]), 2),
-        "moba_min_s": round(min(times["moba"]), 2),
-        "moba_median_s": round(statistics.median(times["moba"]), 2),
-        "ratio_min": round(min(times["sdpa"]) / min(times["moba"]), 2),
-        "moba_config": json.dumps(moba.to_dict(), sort_keys=True),
-    }
     path = Path(args.csv)
-    append_rows(path, [row])
-    print(row)
-    print(
-        f"prefill {args.tokens} tokens: {args.baseline} {row['sdpa_min_s']:.1f} s, moba {row['moba_min_s']:.1f} s, "
-        f"ratio {row['ratio_min']:.2f}x  (CSV: {path})"
-    )
+    append_rows(path, rows)
+    for row in rows:
+        print(row)
+        print(
+            f"prefill {args.tokens} tokens, {row['load']}: {args.baseline} {row['sdpa_min_s']:.1f} s, "
+            f"moba {row['moba_min_s']:.1f} s, ratio {row['ratio_min']:.2f}x best, {row['ratio_median']:.2f}x median "
+            f"(CSV: {path})"
+        )
 
 
 if __name__ == "__main__":

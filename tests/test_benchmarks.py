@@ -33,9 +33,18 @@ def test_bench_model_verifies_bfloat16_then_writes_a_row(tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "vs float32 sdpa" in res.stdout and "(bfloat16 sdpa:" in res.stdout
-    (row,) = list(csv.DictReader(out.open()))
-    assert row["model"] == "SmolLM2-135M-Instruct bfloat16" and row["tokens"] == "160" and row["block_size"] == "32"
-    assert float(row["sdpa_min_s"]) > 0 and float(row["moba_min_s"]) > 0
+    assert "idle: moba prefill 160 tokens" in res.stdout and "busy: moba prefill 160 tokens" in res.stdout
+    idle, loaded = list(csv.DictReader(out.open()))
+    assert (idle["load"], idle["busy_processes"], loaded["load"], loaded["busy_processes"]) == (
+        "idle",
+        "0",
+        "busy",
+        "1",
+    )
+    for row in (idle, loaded):
+        assert row["model"] == "SmolLM2-135M-Instruct bfloat16" and row["tokens"] == "160" and row["block_size"] == "32"
+        assert float(row["sdpa_min_s"]) > 0 and float(row["moba_min_s"]) > 0 and float(row["ratio_median"]) > 0
+        assert row["date"]
 
 
 @pytest.mark.slow
@@ -45,7 +54,7 @@ def test_bench_model_against_dense_dca(tmp_path):
     config.write_text("[moba]\nblock_size = 8\ntop_k = 2\ndense_tail = 16\n\n[moba.dca]\npretraining_length = 64\n")
     out = tmp_path / "model.csv"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_model.py"), "--tokens", "160", "--config", str(config)]
-    cmd += ["--baseline", "dense", "--csv", str(out), "--threads", "1"]
+    cmd += ["--baseline", "dense", "--csv", str(out), "--threads", "1", "--loads", "idle"]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "dense prefill 160 tokens" in res.stdout
