@@ -46,6 +46,17 @@ def test_multi_needle_one_asks_for_one_of_three_colours(tokenizer):
         assert len(set(values)) == 3 and prompt.expected in values
 
 
+def test_multi_label_one_asks_for_one_of_three_labelled_codes(tokenizer):
+    for trial in range(6):
+        prompt = FAMILIES["multi-label-one"].prompt(tokenizer, 0, 900, 0.5, trial)
+        text = tokenizer.decode(prompt.ids)
+        needles = dict(re.findall(r"\* Reminder: the ([\w ]+?) is (\d+)\.", text))
+        assert len(needles) == 3 and len(set(needles.values())) == 3
+        asked = re.search(r"the ([\w ]+?)\? (?:Answer: t|T)he \1 is$", text).group(1)
+        assert needles[asked] == prompt.expected
+        assert tokenizer.decode(prompt.ids[prompt.needle_token :]).startswith(f"\n* Reminder: the {asked} is")
+
+
 def test_question_first_asks_before_and_after_the_document(tokenizer):
     for trial in range(6):
         text = tokenizer.decode(FAMILIES["question-first"].prompt(tokenizer, 0, 900, 0.5, trial).ids)

@@ -261,4 +261,5 @@ ABOUT: dict[str, str] = {
     "serial-needle": "a serial number in story sentences",
     "question-first": "a fact in prose, asked before and after it",
     "multi-needle-one": "one of three coloured pass keys",
+    "multi-label-one": "one of three labelled codes in an inventory list",
 }

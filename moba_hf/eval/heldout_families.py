@@ -16,11 +16,14 @@ kv-retrieval) or "heldout" (reported only, never used to choose).
                                 prose                           before the document and again after    3-7 digits
     multi-needle-one   heldout  Landmark filler                 3 "The red pass key is 48213. ..."     4-7 digits
                                                                 of distinct colours; one is asked
+    multi-label-one    heldout  household inventory lines       3 "* Reminder: the alarm code is       5-7 digits
+                                (bullets, table rows)           583921. ..." of distinct labels; one
+                                                                is asked
 
 Length: every prompt is exactly `length` tokens, special tokens included (the context is cut at a token).
 Depth: the (asked) needle sits at the context unit boundary (sentence, filler sentence or line) nearest
-depth x the context's tokens: 0 is right after the intro, 1 right before the question; multi-needle-one's two
-other needles sit at drawn depths.
+depth x the context's tokens: 0 is right after the intro, 1 right before the question; the two other needles of
+multi-needle-one and multi-label-one sit at drawn depths.
 Seeds and scoring as in families.py: random.Random(f"{family}:{seed}:{length}:{depth}:{trial}"), and the
 continuation's first words must be every word of the answer (all digits of a code, every hex group).
 
@@ -302,6 +305,32 @@ def _build_multi_one(tokenizer: Any, length: int, depth: float, rng: random.Rand
     return Prompt(ids, values[0], starts[0])
 
 
+# ---- multi-label-one: three labelled codes in an inventory, one asked ----
+
+# the labels' last words differ, so the words right before each value name one needle
+MULTI_LABELS = ("alarm code", "safe combination", "locker number", "garage door PIN", "office extension",
+                "wifi password")  # fmt: skip
+MULTI_LABEL_INTROS = (
+    "Below is the inventory of a shared workshop. Three of its lines hold codes; a question about one follows.",
+    "Here is a long equipment list. Some lines carry codes: remember which code belongs to what.",
+)
+MULTI_LABEL_NEEDLE = "\n* Reminder: the {label} is {v}. Again, the {label} is {v}."
+MULTI_LABEL_QUESTIONS = (
+    "\n\nWhich number is the {label}? The {label} is",
+    "\n\nQuestion: what is the {label}? Answer: the {label} is",
+)
+
+
+def _build_multi_label(tokenizer: Any, length: int, depth: float, rng: random.Random) -> Prompt:
+    labels, digits = rng.sample(MULTI_LABELS, 3), rng.randint(5, 7)
+    values = _distinct(lambda: _digits(rng, digits, digits), 3)
+    intro, question = rng.choice(MULTI_LABEL_INTROS), rng.choice(MULTI_LABEL_QUESTIONS)
+    needles = [MULTI_LABEL_NEEDLE.format(label=label, v=v) for label, v in zip(labels, values, strict=True)]
+    ids, starts = _layout(tokenizer, "multi-label-one", length, intro, needles, question.format(label=labels[0]),
+                          "rows", _places(depth, 3, rng), rng)  # fmt: skip
+    return Prompt(ids, values[0], starts[0])
+
+
 NEW_FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
@@ -311,6 +340,7 @@ NEW_FAMILIES: dict[str, Family] = {
         Family("serial-needle", _build_serial, new_tokens=20, exact=True, split=HELDOUT),
         Family("question-first", _build_question_first, new_tokens=10, exact=True, split=HELDOUT),
         Family("multi-needle-one", _build_multi_one, new_tokens=10, exact=True, split=HELDOUT),
+        Family("multi-label-one", _build_multi_label, new_tokens=10, exact=True, split=HELDOUT),
     )
 }
 
@@ -323,5 +353,6 @@ def wording_digest() -> str:
     tables = [NAMES, PROSE_INTROS, ADJECTIVES, WORDS, WORD_NEEDLES, LIST_INTROS, LIST_LABELS, LIST_NEEDLE,
               LIST_QUESTIONS, CODE_NAMES, CODE_INTROS, CODE_NEEDLE,
               CODE_QUESTIONS, DEVICES, SERIAL_NEEDLES, PETS, [f[:3] for f in QF_FACTS], COLOURS, MULTI_ONE_NEEDLES,
+              MULTI_LABELS, MULTI_LABEL_INTROS, MULTI_LABEL_NEEDLE, MULTI_LABEL_QUESTIONS,
               generated_rows(50)]  # fmt: skip
     return hashlib.sha1((json.dumps(tables) + "\n".join(code_lines())).encode()).hexdigest()[:16]
