@@ -57,6 +57,23 @@ def test_multi_label_one_asks_for_one_of_three_labelled_codes(tokenizer):
         assert tokenizer.decode(prompt.ids[prompt.needle_token :]).startswith(f"\n* Reminder: the {asked} is")
 
 
+@pytest.mark.parametrize(
+    ("name", "needle"),
+    [("log-lookup", r"\[WARN\] vault: the ([\w ]+?) is (\d+)\. Repeat: the \1 is \2\."),
+     ("chat-lookup", r"(?:Gwen|Hugo|Iris|Jonas): the ([\w ]+?) is (\d+), I repeat, \2\."),
+     ("manual-lookup", r"Important: the ([\w ]+?) is (\d+)\. Write it down: \2\.")],
+)  # fmt: skip
+def test_lookup_families_hold_one_number_in_a_haystack_without_digits(tokenizer, name, needle):
+    for trial in range(6):
+        prompt = FAMILIES[name].prompt(tokenizer, 0, 900, 0.5, trial)
+        text = tokenizer.decode(prompt.ids)
+        (label, value), *more = re.findall(needle, text)
+        assert not more and value == prompt.expected
+        # the question names the needle's label; the haystack around the needle has no digit at all
+        assert re.search(rf"\b{label}\b[^\n]*\? (?:Answer: t|T)he {label} is$", text), text[-120:]
+        assert not re.search(r"\d", re.sub(needle, "", text))
+
+
 def test_question_first_asks_before_and_after_the_document(tokenizer):
     for trial in range(6):
         text = tokenizer.decode(FAMILIES["question-first"].prompt(tokenizer, 0, 900, 0.5, trial).ids)

@@ -262,4 +262,7 @@ ABOUT: dict[str, str] = {
     "question-first": "a fact in prose, asked before and after it",
     "multi-needle-one": "one of three coloured pass keys",
     "multi-label-one": "one of three labelled codes in an inventory list",
+    "log-lookup": "a number in a service log",
+    "chat-lookup": "a number in a group chat",
+    "manual-lookup": "a number in an appliance manual",
 }

@@ -1,6 +1,6 @@
 """What every prompt family shares: the prompt record, the scoring rule, the family record with its split, and the
 wording tables more than one family draws from. `families` (the first three families and the registry) and
-`heldout_families` (seven more) both build on it."""
+`heldout_families` (ten more) both build on it."""
 
 from __future__ import annotations
 

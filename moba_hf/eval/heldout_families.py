@@ -19,6 +19,12 @@ kv-retrieval) or "heldout" (reported only, never used to choose).
     multi-label-one    heldout  household inventory lines       3 "* Reminder: the alarm code is       5-7 digits
                                 (bullets, table rows)           583921. ..." of distinct labels; one
                                                                 is asked
+    log-lookup         heldout  service log lines, no digits    "[WARN] vault: the recovery code is    4-7 digits
+                                                                30775. Repeat: ..."
+    chat-lookup        heldout  group chat messages, no digits  "Gwen: the conference room PIN is      4-7 digits
+                                                                7863, I repeat, 7863."
+    manual-lookup      heldout  appliance manual sentences,     "Important: the child lock PIN is      4-7 digits
+                                no digits                       5468. Write it down: 5468."
 
 Length: every prompt is exactly `length` tokens, special tokens included (the context is cut at a token).
 Depth: the (asked) needle sits at the context unit boundary (sentence, filler sentence or line) nearest
@@ -43,7 +49,15 @@ from typing import Any
 
 from .. import prompts
 from .family import ADJECTIVES, HELDOUT, NAMES, PROSE_INTROS, TUNING, Family, Prompt
-from .texts import code_lines, generated_rows, generated_text, prose_sentences
+from .texts import (
+    code_lines,
+    generated_chat,
+    generated_log,
+    generated_manual,
+    generated_rows,
+    generated_text,
+    prose_sentences,
+)
 
 
 def _special(tokenizer: Any) -> list[int]:
@@ -82,6 +96,12 @@ def _units(tokenizer: Any, source: str) -> list[list[int]]:
             texts = ["\n" + line for line in code_lines()]
         elif source == "rows":
             texts = ["\n" + row for row in generated_rows(3000)]
+        elif source == "log":
+            texts = ["\n" + line for line in generated_log(3000)]
+        elif source == "chat":
+            texts = ["\n" + line for line in generated_chat(3000)]
+        elif source == "manual":
+            texts = [" " + sentence for sentence in generated_manual(3000)]
         else:
             raise ValueError(f"unknown context source {source!r}")
         _UNIT_IDS[key] = [list(x) for x in tokenizer(texts, add_special_tokens=False).input_ids]
@@ -199,12 +219,29 @@ LIST_QUESTIONS = (
 )
 
 
-def _build_list(tokenizer: Any, length: int, depth: float, rng: random.Random) -> Prompt:
-    label, intro, question = rng.choice(LIST_LABELS), rng.choice(LIST_INTROS), rng.choice(LIST_QUESTIONS)
-    answer = _digits(rng)
-    ids, starts = _layout(tokenizer, "list-lookup", length, intro, [LIST_NEEDLE.format(label=label, v=answer)],
-                          question.format(label=label), "rows", _places(depth, 1, rng), rng)  # fmt: skip
-    return Prompt(ids, answer, starts[0])
+def _labelled_number(
+    name: str,
+    source: str,
+    intros: Sequence[str],
+    labels: Sequence[str],
+    needle: str,
+    questions: Sequence[str],
+    digits: tuple[int, int],
+) -> Callable[[Any, int, float, random.Random], Prompt]:
+    """The builder of a family with one "the {label} is {v}" needle line in a `source` haystack: label, intro,
+    question and a number of `digits` (low, high) drawn in that order."""
+
+    def build(tokenizer: Any, length: int, depth: float, rng: random.Random) -> Prompt:
+        label, intro, question = rng.choice(labels), rng.choice(intros), rng.choice(questions)
+        answer = _digits(rng, *digits)
+        ids, starts = _layout(tokenizer, name, length, intro, [needle.format(label=label, v=answer)],
+                              question.format(label=label), source, _places(depth, 1, rng), rng)  # fmt: skip
+        return Prompt(ids, answer, starts[0])
+
+    return build
+
+
+_build_list = _labelled_number("list-lookup", "rows", LIST_INTROS, LIST_LABELS, LIST_NEEDLE, LIST_QUESTIONS, (5, 7))
 
 
 # ---- code-needle: a constant in Python source ----
@@ -331,6 +368,65 @@ def _build_multi_label(tokenizer: Any, length: int, depth: float, rng: random.Ra
     return Prompt(ids, values[0], starts[0])
 
 
+# ---- log-lookup: a service log, one line with a number ----
+
+LOG_INTROS = (
+    "Below is a service log. One of its lines reports a number; a question about it follows.",
+    "Here is the output of a server's log. Remember the number that appears in it.",
+)
+LOG_FACTS = ("recovery code", "incident number", "ticket number", "rollback token", "maintenance PIN")
+LOG_NEEDLE = "\n[WARN] vault: the {label} is {v}. Repeat: the {label} is {v}."
+LOG_QUESTIONS = (
+    "\n\nQuestion: what is the {label} in the log above? Answer: the {label} is",
+    "\n\nWhat {label} did the log report? The {label} is",
+)
+
+
+_build_log = _labelled_number("log-lookup", "log", LOG_INTROS, LOG_FACTS, LOG_NEEDLE, LOG_QUESTIONS, (4, 7))
+
+
+# ---- chat-lookup: a group chat, one message with a number ----
+
+CHAT_INTROS = (
+    "Below is a long group chat between colleagues. Read it; a question follows.",
+    "Here is the history of a team's chat. One message gives a number worth remembering.",
+)
+CHAT_SENDERS = ("Gwen", "Hugo", "Iris", "Jonas")  # never a sender of the haystack's messages
+CHAT_FACTS = ("door code of the new office", "parking permit number", "conference room PIN", "flight number")
+CHAT_NEEDLE = "\n{x}: the {label} is {v}, I repeat, {v}."
+CHAT_QUESTIONS = (
+    "\n\nWhat is the {label} that {x} sent? The {label} is",
+    "\n\nQuestion: according to {x}, what is the {label}? Answer: the {label} is",
+)
+
+
+def _build_chat(tokenizer: Any, length: int, depth: float, rng: random.Random) -> Prompt:
+    sender, label = rng.choice(CHAT_SENDERS), rng.choice(CHAT_FACTS)
+    intro, question, answer = rng.choice(CHAT_INTROS), rng.choice(CHAT_QUESTIONS), _digits(rng, 4, 7)
+    needle = CHAT_NEEDLE.format(x=sender, label=label, v=answer)
+    ids, starts = _layout(tokenizer, "chat-lookup", length, intro, [needle], question.format(x=sender, label=label),
+                          "chat", _places(depth, 1, rng), rng)  # fmt: skip
+    return Prompt(ids, answer, starts[0])
+
+
+# ---- manual-lookup: an appliance manual, one sentence with a number ----
+
+MANUAL_INTROS = (
+    "Below is the user manual of a kitchen appliance. A question about it follows.",
+    "Read this device manual. It mentions one number that you will be asked for.",
+)
+MANUAL_FACTS = ("factory reset code", "service hotline extension", "child lock PIN", "model number")
+MANUAL_NEEDLE = " Important: the {label} is {v}. Write it down: {v}."
+MANUAL_QUESTIONS = (
+    "\n\nWhat is the {label}? The {label} is",
+    "\n\nQuestion: what {label} does the manual give? Answer: the {label} is",
+)
+
+_build_manual = _labelled_number(
+    "manual-lookup", "manual", MANUAL_INTROS, MANUAL_FACTS, MANUAL_NEEDLE, MANUAL_QUESTIONS, (4, 7)
+)
+
+
 NEW_FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
@@ -341,6 +437,9 @@ NEW_FAMILIES: dict[str, Family] = {
         Family("question-first", _build_question_first, new_tokens=10, exact=True, split=HELDOUT),
         Family("multi-needle-one", _build_multi_one, new_tokens=10, exact=True, split=HELDOUT),
         Family("multi-label-one", _build_multi_label, new_tokens=10, exact=True, split=HELDOUT),
+        Family("log-lookup", _build_log, new_tokens=10, exact=True, split=HELDOUT),
+        Family("chat-lookup", _build_chat, new_tokens=10, exact=True, split=HELDOUT),
+        Family("manual-lookup", _build_manual, new_tokens=10, exact=True, split=HELDOUT),
     )
 }
 
@@ -354,5 +453,7 @@ def wording_digest() -> str:
               LIST_QUESTIONS, CODE_NAMES, CODE_INTROS, CODE_NEEDLE,
               CODE_QUESTIONS, DEVICES, SERIAL_NEEDLES, PETS, [f[:3] for f in QF_FACTS], COLOURS, MULTI_ONE_NEEDLES,
               MULTI_LABELS, MULTI_LABEL_INTROS, MULTI_LABEL_NEEDLE, MULTI_LABEL_QUESTIONS,
-              generated_rows(50)]  # fmt: skip
+              LOG_INTROS, LOG_FACTS, LOG_NEEDLE, LOG_QUESTIONS, CHAT_INTROS, CHAT_SENDERS, CHAT_FACTS, CHAT_NEEDLE,
+              CHAT_QUESTIONS, MANUAL_INTROS, MANUAL_FACTS, MANUAL_NEEDLE, MANUAL_QUESTIONS, generated_rows(50),
+              generated_log(50), generated_chat(50), generated_manual(50)]  # fmt: skip
     return hashlib.sha1((json.dumps(tables) + "\n".join(code_lines())).encode()).hexdigest()[:16]

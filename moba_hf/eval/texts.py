@@ -210,3 +210,65 @@ def generated_rows(n_rows: int, seed: int = 0) -> list[str]:
         else:
             rows.append(f"| {thing} | {colour} | {place} | {state} |")
     return rows
+
+
+_LOG_LEVELS = ("INFO", "INFO", "INFO", "DEBUG", "WARN")
+_LOG_SERVICES = ("scheduler", "mailer", "auth", "storage", "billing", "search", "gateway", "indexer", "cache")
+_LOG_EVENTS = (
+    "nightly backup finished for the archive volume", "user session refreshed", "queue drained, worker idle",
+    "retrying upload after a slow response", "configuration reloaded from disk", "cache entry evicted",
+    "health check passed", "report generated and sent to the owners", "connection pool resized",
+    "stale lock released", "request served from the replica", "password reset mail queued",
+    "disk usage above the soft limit", "slow query logged for review", "certificate still valid",
+)  # fmt: skip
+
+
+def generated_log(n_lines: int, seed: int = 0) -> list[str]:
+    """`n_lines` lines of a service log ("[INFO] storage: cache entry evicted"; no digits, so a number in the
+    log stands out as the fact), deterministic in `seed`."""
+    rng = random.Random(f"log:{seed}")
+    return [f"[{rng.choice(_LOG_LEVELS)}] {rng.choice(_LOG_SERVICES)}: {rng.choice(_LOG_EVENTS)}"
+            for _ in range(n_lines)]  # fmt: skip
+
+
+_CHAT_PEOPLE = ("Ana", "Ben", "Chloe", "Dev", "Elena", "Femi")
+_CHAT_LINES = (
+    "did anyone water the plants on the balcony?", "I'll be a bit late, the bus is slow today",
+    "the meeting moved to the small room", "can someone bring the charger back?", "lunch at the usual place?",
+    "the printer on the second floor is jammed again", "I finished the slides, have a look when you can",
+    "thanks, that helped a lot", "who has the key to the storage room?", "the coffee machine is fixed",
+    "let's push the review to after lunch", "I left my umbrella by the door", "sounds good to me",
+    "does the train still stop at the old station?", "the parcel arrived this morning",
+)  # fmt: skip
+
+
+def generated_chat(n_lines: int, seed: int = 0) -> list[str]:
+    """`n_lines` messages of a group chat ("Ben: lunch at the usual place?"; no digits), deterministic in
+    `seed`."""
+    rng = random.Random(f"chat:{seed}")
+    return [f"{rng.choice(_CHAT_PEOPLE)}: {rng.choice(_CHAT_LINES)}" for _ in range(n_lines)]
+
+
+_MANUAL_ACTIONS = (
+    "Press and hold the power button", "Open the side panel", "Unplug the charging cable", "Turn the dial slowly",
+    "Clean the filter with warm water", "Close the lid firmly", "Check the indicator light", "Remove the cover",
+    "Wait for the fan to stop", "Slide the tray back into place", "Tighten the screws by hand", "Reset the timer",
+)  # fmt: skip
+_MANUAL_PURPOSES = (
+    "to avoid damage to the motor", "before you move the device", "so that the seal stays dry",
+    "until the light turns green", "if the display stays dark", "when the device is cold", "after every use",
+    "before the first start", "if you hear a rattling sound", "to keep the warranty valid",
+)  # fmt: skip
+_MANUAL_NOTES = (
+    "Do not use sharp tools on the housing.", "Keep the device away from open flames.",
+    "Children should not play with the device.", "Store the manual in a safe place.",
+    "Contact the service centre if the problem persists.", "Use only the supplied accessories.",
+)  # fmt: skip
+
+
+def generated_manual(n_sentences: int, seed: int = 0) -> list[str]:
+    """`n_sentences` sentences of an appliance manual ("Open the side panel before you move the device."; no
+    digits), deterministic in `seed`."""
+    rng = random.Random(f"manual:{seed}")
+    return [rng.choice(_MANUAL_NOTES) if rng.random() < 0.2 else
+            f"{rng.choice(_MANUAL_ACTIONS)} {rng.choice(_MANUAL_PURPOSES)}." for _ in range(n_sentences)]  # fmt: skip
