@@ -2,6 +2,7 @@
 and chunked prefill against one full forward, keys stored at j mod s, padding, configs and errors."""
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -276,6 +277,8 @@ def test_shipped_presets_load():
     assert sparse.dense_tail > 0 and sparse.pooling == "bound" and sparse.decode == "full"
     baseline = MobaConfig.from_spec(str(Path(__file__).parent.parent / "configs" / "dca_dense_c4096.toml"))
     assert baseline == MobaConfig(sparse=False, dca=sparse.dca)  # the preset's dense baseline: the same DCA
+    larger = MobaConfig.from_spec(str(Path(__file__).parent.parent / "configs" / "dca_moba_dense01_top8.toml"))
+    assert larger == dataclasses.replace(sparse, top_k=8, full_attn_layer_ids=(0, 1))  # the preset, larger budget
     model_config = LlamaConfig(**{**TINY, "max_position_embeddings": 8192})
     assert resolve(dense.dca, model_config) == DcaParams(8192, 7168)
     assert resolve(sparse.dca, model_config, sparse.block_size) == DcaParams(4096, 3584, temperature=True)
