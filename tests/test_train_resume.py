@@ -89,13 +89,22 @@ def test_ctrl_c_exits_130_and_leaves_a_resumable_checkpoint(tmp_path):
     run = write_run(tmp_path, max_steps=5000, save_steps=2, optim='"adamw_torch"', learning_rate=3e-3)
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "moba_hf.cli", "train", str(run), "--output-dir", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while last_checkpoint(out) is None and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=60)
+    # faulthandler: a child that does not stop is aborted and prints where each of its threads was
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONFAULTHANDLER="1")
+    log = tmp_path / "stderr.txt"  # files, not pipes nobody reads while the run trains: a full pipe would block it
+    with open(log, "w") as err, open(tmp_path / "stdout.txt", "w") as out_file:
+        proc = subprocess.Popen(cmd, env=env, stdout=out_file, stderr=err)
+        deadline = time.monotonic() + 120
+        while last_checkpoint(out) is None and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            proc.wait(timeout=60)
+            pytest.fail(f"no exit within 60 s of SIGINT; the run's threads then:\n{log.read_text()[-6000:]}")
+    stderr = log.read_text()
     assert proc.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr
     checkpoint = last_checkpoint(out)
