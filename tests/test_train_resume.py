@@ -66,6 +66,15 @@ def test_resume_without_a_checkpoint_is_refused(tmp_path):
         train(tiny_config(tmp_path), model=train_model(), dataset=tiny_dataset(), resume=True)
 
 
+@pytest.fixture
+def sigint_handled():
+    """SIGINT raises KeyboardInterrupt, as in a terminal, even where pytest runs with it ignored (background)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("sigint_handled")
 def test_ctrl_c_during_a_checkpoint_write_waits_for_it(tmp_path):
     config = tiny_config(tmp_path, train={"max_steps": 4, "save_steps": 2})
     trainer, _ = build_trainer(config, model=train_model(), dataset=tiny_dataset())
@@ -84,6 +93,31 @@ def test_ctrl_c_during_a_checkpoint_write_waits_for_it(tmp_path):
     assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "attention_schedule.json"} <= names
 
 
+def test_a_run_with_sigint_ignored_keeps_ignoring_it_while_a_checkpoint_is_written(tmp_path):
+    # a run started in the background (nohup, `&` in a script) inherits SIGINT ignored: it must not stop on one
+    config = tiny_config(tmp_path, train={"max_steps": 4, "save_steps": 2})
+    trainer, _ = build_trainer(config, model=train_model(), dataset=tiny_dataset())
+    save_model = trainer.save_model
+    seen = []
+
+    def save_model_under_sigint(*args, **kwargs):
+        seen.append(signal.getsignal(signal.SIGINT))
+        os.kill(os.getpid(), signal.SIGINT)
+        return save_model(*args, **kwargs)
+
+    trainer.save_model = save_model_under_sigint
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        trainer.train()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    except KeyboardInterrupt:
+        pytest.fail("the run stopped on a SIGINT it was started to ignore")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert seen == [signal.SIG_IGN, signal.SIG_IGN]  # checkpoints 2 and 4, written with SIGINT still ignored
+    assert last_checkpoint(config.train.output_dir).name == "checkpoint-4"
+
+
 @pytest.mark.slow  # a fresh process imports torch + transformers
 def test_ctrl_c_exits_130_and_leaves_a_resumable_checkpoint(tmp_path):
     run = write_run(tmp_path, max_steps=5000, save_steps=2, optim='"adamw_torch"', learning_rate=3e-3)
@@ -93,7 +127,9 @@ def test_ctrl_c_exits_130_and_leaves_a_resumable_checkpoint(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONFAULTHANDLER="1")
     log = tmp_path / "stderr.txt"  # files, not pipes nobody reads while the run trains: a full pipe would block it
     with open(log, "w") as err, open(tmp_path / "stdout.txt", "w") as out_file:
-        proc = subprocess.Popen(cmd, env=env, stdout=out_file, stderr=err)
+        # Ctrl-C in a terminal: SIGINT handled, even where pytest itself runs with it ignored (in the background)
+        default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+        proc = subprocess.Popen(cmd, env=env, stdout=out_file, stderr=err, preexec_fn=default_sigint)
         deadline = time.monotonic() + 120
         while last_checkpoint(out) is None and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)

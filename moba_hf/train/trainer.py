@@ -74,7 +74,10 @@ class MobaTrainer(Trainer):
             self.is_fsdp_enabled = True
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+        # signal handlers live in the main thread; a process started with SIGINT ignored (nohup, `cmd &` in a
+        # script) keeps ignoring it, and a handler set outside Python could not be put back
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        if not in_main_thread or signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None):
             return self._write_checkpoint(model, trial)
         interrupted = []
         previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
