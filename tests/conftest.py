@@ -17,6 +17,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def _say_everything_again():
+    """moba_hf logs some lines once per process (`logs.once`): each test sees its own."""
+    from moba_hf import logs
+
+    logs.forget()
+
+
+@pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
 

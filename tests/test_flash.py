@@ -61,7 +61,6 @@ def isolated(monkeypatch):
     # earlier tests may have tried (and failed) to load "flash": forget that here
     monkeypatch.setattr(kernels, "_loaded", {n: f for n, f in kernels._loaded.items() if n != "flash"})
     monkeypatch.setattr(kernels, "_unavailable", {n: r for n, r in kernels._unavailable.items() if n != "flash"})
-    monkeypatch.setattr(kernels, "_warned", kernels._warned - {"flash"})
     saved = {name: sys.modules.pop(name) for name in _MODULES if name in sys.modules}
     attribute = kernels.__dict__.get("flash")
     yield monkeypatch

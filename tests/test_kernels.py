@@ -209,7 +209,6 @@ def test_backend_signature_equals_reference(name):
 
 @pytest.mark.parametrize("name", UNAVAILABLE_ON_CPU, ids=lambda n: f"{n}_missing")
 def test_missing_backend_falls_back_with_one_log_line(name, caplog, monkeypatch):
-    monkeypatch.setattr(kernels, "_warned", set())  # earlier tests may have logged this fallback already
     q, k, v = _inputs((1, 2, 1, 40, 40, 8, 16, 3), requires_grad=False)
     with caplog.at_level("WARNING", logger="moba_hf"):
         out = moba_attention(q, k, v, block_size=16, top_k=3, backend=name)
@@ -256,7 +255,6 @@ def test_flex_cpu_gradients_use_torch_backend(caplog, monkeypatch):
     float32: FlexAttention's CPU kernel has no float64 (test_flex covers that fallback)."""
     from moba_hf.kernels.flex import moba_attention_flex
 
-    monkeypatch.setattr(kernels, "_warned", set())  # earlier tests may have logged a flex fallback already
     with caplog.at_level("WARNING", logger="moba_hf"):
         flex = lambda *a, **kw: moba_attention(*a, backend="flex", **kw)  # noqa: E731
         _assert_matches_reference(flex, SHAPES[0], {}, dtype=torch.float32)
@@ -281,7 +279,6 @@ def test_registered_backend_runs_end_to_end(monkeypatch):
 
     monkeypatch.setattr(kernels, "_REGISTRY", dict(kernels._REGISTRY))
     monkeypatch.setattr(kernels, "_loaded", dict(kernels._loaded))
-    monkeypatch.setattr(kernels, "_warned", set(kernels._warned))
     _REGISTERED_CALLS.clear()
     kernels.register_backend(kernels.Backend("mine", f"{__name__}:registered_backend", auto_rank=0))
     assert "mine" in kernels.BACKENDS and MobaConfig(backend="mine").backend == "mine"

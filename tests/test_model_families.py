@@ -17,7 +17,6 @@ from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
 import moba_hf
 from moba_hf import DcaConfig, MobaConfig
-from moba_hf.integration import support
 from moba_hf.integration.support import check_dca_rope, check_supported
 from moba_hf.kernels import moba_attention_reference
 
@@ -207,7 +206,6 @@ def test_dca_refuses_sequence_dependent_rope(model_type, rope):
 
 
 def test_unverified_family_that_passes_the_checks_runs_with_a_note(caplog):
-    support._noted_unverified.discard("starcoder2")  # the note is once per process
     with caplog.at_level(logging.WARNING, logger="moba_hf"):
         check_supported(AutoConfig.for_model("starcoder2", sliding_window=None))
     assert "model_type='starcoder2' passes the support checks but no test runs it" in caplog.text

@@ -31,6 +31,12 @@ def test_no_moba_config_leaves_vllm_alone(monkeypatch):
     assert routing.setup(vllm_config()) is None
 
 
+def test_a_null_moba_config_override_turns_moba_off(monkeypatch, tmp_path):
+    """null means "no MoBA": not the defaults, and not the environment's or the checkpoint's config either."""
+    monkeypatch.setenv(startup.ENV, "training-free")
+    assert routing.setup(vllm_config(hf_overrides={"moba_config": None})) is None
+
+
 def test_sources_and_precedence(monkeypatch):
     monkeypatch.setenv(startup.ENV, "training-free")
     config, dense, dca = routing.setup(vllm_config())

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .. import core
+from .. import core, logs
 from ..config import MobaConfig
 from ..dca.config import DcaParams
 from ..kernels import resolve_backend
@@ -27,10 +27,6 @@ from . import rope_remap, sparsity, state
 from .cache import cached_step
 from .layout import sequence_spans
 from .support import SUPPORTED_MODEL_TYPES, check_supported  # noqa: F401 - re-exported
-
-logger = logging.getLogger("moba_hf")
-
-_warned_default: set[int] = set()
 
 
 @functools.lru_cache(maxsize=64)
@@ -45,15 +41,14 @@ def moba_config_of(model_config: Any) -> MobaConfig:
     back as a dict, so `save_pretrained` writes the values themselves."""
     raw = getattr(model_config, "moba_config", None)
     if raw is None:
-        if id(model_config) not in _warned_default:
-            _warned_default.add(id(model_config))
-            logger.warning(
-                "moba_hf: this checkpoint has no moba_config, so MoBA runs %s, the paper's setting for models "
-                "trained with MoBA. For a stock checkpoint use the training-free preset: "
-                "from_pretrained(path, attn_implementation='moba', moba_config='training-free') "
-                "(moba-hf presets lists them all)",
-                MobaConfig(),
-            )
+        logs.once(
+            logging.WARNING,
+            "moba_hf: this checkpoint has no moba_config, so MoBA runs %s, the paper's setting for models "
+            "trained with MoBA. For a stock checkpoint use the training-free preset: "
+            "from_pretrained(path, attn_implementation='moba', moba_config='training-free') "
+            "(moba-hf presets lists them all)",
+            MobaConfig(),
+        )
         return MobaConfig()
     if isinstance(raw, MobaConfig):
         return raw
@@ -105,27 +100,32 @@ def _snapshot(attributes: dict[str, Any]) -> dict[str, Any]:
     return snapshot
 
 
-_latest: ResolvedConfig | None = None  # shared by the layers of one model: one snapshot, not one per layer
-
-
 def resolved_config(module: torch.nn.Module) -> ResolvedConfig:
     """What `module`'s config resolves to: the support check, its MobaConfig (defaults if it has none), the
-    full-attention layers and DCA's parameters; the checks raise as they would on every call."""
-    global _latest
+    full-attention layers and DCA's parameters; the checks raise as they would on every call.
+
+    Kept beside the module and beside its config (shared by the model's layers), read and written through
+    local names only: models forwarded from several threads at once each read their own."""
     model_config = module.config
     layer_state = state.of_layer(module)
     resolved = layer_state.resolved
     if resolved is not None and resolved.holds_for(model_config):
         return resolved
-    if _latest is None or not _latest.holds_for(model_config):
-        check_supported(model_config)
-        config = moba_config_of(model_config)  # may store a preset's values back into the config: copy after
-        full_layers = config.full_layer_set(model_config.num_hidden_layers)
-        dca = rope_remap.resolve(config.dca, model_config, config.block_size if config.sparse else None)
-        snapshot = _snapshot(_attributes(model_config))
-        _latest = ResolvedConfig(weakref.ref(model_config), snapshot, config, full_layers, dca)
-    layer_state.resolved = _latest
-    return _latest
+    config_state = state.of_config(model_config)
+    resolved = config_state.resolved
+    if resolved is None or not resolved.holds_for(model_config):
+        resolved = config_state.resolved = _resolve(model_config)
+    layer_state.resolved = resolved
+    return resolved
+
+
+def _resolve(model_config: Any) -> ResolvedConfig:
+    check_supported(model_config)
+    config = moba_config_of(model_config)  # may store a preset's values back into the config: copy after
+    full_layers = config.full_layer_set(model_config.num_hidden_layers)
+    dca = rope_remap.resolve(config.dca, model_config, config.block_size if config.sparse else None)
+    snapshot = _snapshot(_attributes(model_config))
+    return ResolvedConfig(weakref.ref(model_config), snapshot, config, full_layers, dca)
 
 
 def moba_attention_forward(

@@ -8,14 +8,12 @@ from typing import Any
 
 import torch
 
+from .. import logs
 from .attention import moba_attention_forward
 from .layout import check_attention_mask, forward_layout
 
 NAME = "moba"
 CONFIG_FIELD = "moba_config"
-
-logger = logging.getLogger("moba_hf")
-_told_dense: set[int] = set()
 
 
 def moba_mask(
@@ -64,15 +62,15 @@ def register() -> None:
 
 
 def _tell_when_dense(check: Any) -> Any:
-    """Log once per model config when a checkpoint that carries a moba_config loads with another attention."""
+    """Say (once) when a checkpoint that carries a moba_config loads with another attention."""
 
     @functools.wraps(check)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         chosen = check(self, *args, **kwargs)
         config = getattr(self, "config", None)
-        if chosen != NAME and CONFIG_FIELD in getattr(config, "__dict__", {}) and id(config) not in _told_dense:
-            _told_dense.add(id(config))
-            logger.warning(
+        if chosen != NAME and CONFIG_FIELD in getattr(config, "__dict__", {}):
+            logs.once(
+                logging.WARNING,
                 "moba_hf: this checkpoint carries a moba_config but loads with attn_implementation=%r, so it "
                 'attends densely; pass attn_implementation="moba" to use MoBA',
                 chosen,

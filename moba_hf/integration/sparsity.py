@@ -6,13 +6,15 @@ Recording recomputes the (cheap) block gate, so it costs a little time and only 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-_active: list[SparsityStats] = []
+# the trackers open in this thread (or asyncio task): a forward in another thread records into its own
+_active: contextvars.ContextVar[tuple[SparsityStats, ...]] = contextvars.ContextVar("moba_hf_sparsity", default=())
 
 
 @dataclasses.dataclass
@@ -64,21 +66,24 @@ class SparsityStats:
 
 @contextlib.contextmanager
 def track_sparsity() -> Iterator[SparsityStats]:
-    """with moba_hf.track_sparsity() as stats: model(...); print(stats.per_layer())"""
+    """with moba_hf.track_sparsity() as stats: model(...); print(stats.per_layer())
+
+    Counts the forwards run in the thread (or asyncio task) that opened it, nested trackers each; forwards that
+    other threads run meanwhile are theirs alone."""
     stats = SparsityStats()
-    _active.append(stats)
+    _active.set((*_active.get(), stats))
     try:
         yield stats
-    finally:
-        _active.remove(stats)
+    finally:  # by identity: trackers closed in any order remove themselves, not an equal sibling
+        _active.set(tuple(open_ for open_ in _active.get() if open_ is not stats))
 
 
 def tracking() -> bool:
-    return bool(_active)
+    return bool(_active.get())
 
 
 def record(layer: int, attended: int, causal: int, backend: str) -> None:
-    for stats in _active:
+    for stats in _active.get():
         stats.record(layer, attended, causal, backend)
 
 
@@ -94,7 +99,7 @@ def record_attention(
     `moba` is None, else MoBA's selection rule with the gate of `moba` (a MobaConfig). The rule fixes the count
     of a fixed budget; an adaptive one (`top_p`) is counted on the blocks `selection()` returns ([B, Hq, Nq,
     n_blocks], asked only while tracking). `backend`: the name to report, or a function giving it (likewise)."""
-    if not _active:
+    if not _active.get():
         return
     b, hq, nq = q.shape[:3]
     causal = b * causal_pairs(hq, nq, num_keys)

@@ -1,4 +1,5 @@
-"""What moba_hf keeps beside transformers' objects: tables keyed (weakly) by an attention module or a KV cache.
+"""What moba_hf keeps beside transformers' objects: tables keyed (weakly) by an attention module, a model config
+or a KV cache.
 
 Nothing is set on the objects themselves, so a model or a cache pickles, saves with `torch.save` and deep-copies
 as it would without moba_hf, and an entry goes when its object goes. A copy starts without an entry: its
@@ -8,6 +9,7 @@ resolved config, cached frequencies and pooled keys are worked out again on firs
 from __future__ import annotations
 
 import dataclasses
+import threading
 import weakref
 from typing import Any
 
@@ -18,10 +20,20 @@ import torch
 class LayerState:
     """Per attention module."""
 
-    resolved: Any = None  # `attention.ResolvedConfig` of the module's last call
-    call: tuple[weakref.ref, bool] | None = None  # during a forward: (the cache, its block state in step)
+    resolved: Any = None  # `attention.ResolvedConfig` of the module's config, this module's own
     hooks: tuple[Any, ...] | None = None  # the forward hook handles `cache.install_hooks` registered
     inv_freq: torch.Tensor | None = None  # the model's RoPE inverse frequencies for DCA, on the last device
+    _calls: threading.local = dataclasses.field(default_factory=threading.local, repr=False)
+
+    @property
+    def call(self) -> tuple[weakref.ref, bool] | None:
+        """During a forward: (the cache, its block state in step). Per thread, so one module forwarded from two
+        threads at once with two caches reads its own call's cache in each."""
+        return getattr(self._calls, "value", None)
+
+    @call.setter
+    def call(self, value: tuple[weakref.ref, bool] | None) -> None:
+        self._calls.value = value
 
 
 @dataclasses.dataclass(eq=False)
@@ -32,7 +44,40 @@ class CacheState:
     checked_layers: set[int] = dataclasses.field(default_factory=set)  # layers `check_cache_supported` passed
 
 
+@dataclasses.dataclass(eq=False)
+class ConfigState:
+    """Per model config (shared by the attention modules of one model)."""
+
+    resolved: Any = None  # `attention.ResolvedConfig` of the config as it was when last resolved
+
+
+class _ByIdentity:
+    """A table keyed weakly by object identity: model configs compare by value and cannot be hashed, so a
+    WeakKeyDictionary cannot hold them. An entry goes when its object goes."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref, Any]] = {}
+
+    def get(self, obj: Any) -> Any:
+        entry = self._entries.get(id(obj))
+        return entry[1] if entry is not None and entry[0]() is obj else None
+
+    def setdefault(self, obj: Any, value: Any) -> Any:
+        found = self.get(obj)
+        if found is not None:
+            return found
+        key = id(obj)
+
+        def forget(ref: weakref.ref) -> None:
+            if self._entries.get(key, (None,))[0] is ref:
+                del self._entries[key]
+
+        self._entries[key] = (weakref.ref(obj, forget), value)
+        return value
+
+
 _layers: weakref.WeakKeyDictionary[torch.nn.Module, LayerState] = weakref.WeakKeyDictionary()
+_configs = _ByIdentity()
 _caches: weakref.WeakKeyDictionary[Any, CacheState] = weakref.WeakKeyDictionary()
 
 
@@ -45,6 +90,10 @@ def of_layer(module: torch.nn.Module) -> LayerState:
 
 def layer_if_any(module: torch.nn.Module) -> LayerState | None:
     return _layers.get(module)
+
+
+def of_config(model_config: Any) -> ConfigState:
+    return _configs.get(model_config) or _configs.setdefault(model_config, ConfigState())
 
 
 def of_cache(cache: Any) -> CacheState:

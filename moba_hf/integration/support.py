@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from .. import logs
 from ..kernels.rope import rotate
 
 logger = logging.getLogger("moba_hf")
@@ -58,8 +59,6 @@ SUPPORTED_MODEL_TYPES = (
 # keywords an attention module may hand the attention function: "moba" implements these (sliding_window only
 # as None, which the config check makes sure of; position_ids locate packed sequences)
 _KNOWN_KWARGS = frozenset({"dropout", "scaling", "sliding_window", "position_ids"})
-
-_noted_unverified: set[str] = set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,10 +91,9 @@ def check_supported(model_config: Any) -> None:
             f"moba_hf cannot run model_type={model_type!r}: " + "; ".join(problems)
             + f". Families verified by tests: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )  # fmt: skip
-    if model_type not in SUPPORTED_MODEL_TYPES and model_type not in _noted_unverified:
-        _noted_unverified.add(model_type)
-        logger.warning(
-            "moba_hf: model_type=%r passes the support checks but no test runs it (verified: %s)",
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        logs.once(
+            logging.WARNING, "moba_hf: model_type=%r passes the support checks but no test runs it (verified: %s)",
             model_type, ", ".join(SUPPORTED_MODEL_TYPES),
         )  # fmt: skip
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from .. import logs
 from .causal import causal_attention, causal_attention_unchecked, with_dense_tail
 from .checks import check_inputs, check_moba_args, cuda_or_triton_interpreter, flash_attn_takes, flex_takes, needs_grad
 from .reference import moba_attention_reference
@@ -65,7 +66,6 @@ _REGISTRY: dict[str, Backend] = {
 }  # fmt: skip
 _loaded: dict[str, Callable] = {"reference": moba_attention_reference}
 _unavailable: dict[str, str] = {}
-_warned: set[str] = set()
 
 
 class _Names(Sequence):
@@ -101,7 +101,6 @@ def register_backend(backend: Backend) -> None:
     _REGISTRY[backend.name] = backend
     _loaded.pop(backend.name, None)
     _unavailable.pop(backend.name, None)
-    _warned.discard(backend.name)
 
 
 def _load(name: str) -> Callable | None:
@@ -144,9 +143,7 @@ def resolve_backend(backend: str, q: torch.Tensor, *, needs_grad: bool = False) 
     if reason is None:
         return backend
     fallback = resolve_backend("auto", q, needs_grad=needs_grad)
-    if backend not in _warned:
-        _warned.add(backend)
-        logger.warning("moba_hf: backend %r unavailable (%s); falling back to %r", backend, reason, fallback)
+    logs.once(logging.WARNING, "moba_hf: backend %r unavailable (%s); falling back to %r", backend, reason, fallback)
     return fallback
 
 

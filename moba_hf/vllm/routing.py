@@ -30,12 +30,10 @@ from vllm.forward_context import get_forward_context, is_forward_context_availab
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 
+from .. import logs
 from ..config import MobaConfig
 from . import startup
 from .paged import PagedDca, PagedGateKeys, dense_decodes, moba_paged
-
-logger = logging.getLogger("moba_hf")
-_described: set[str] = set()
 
 # a backend's cache tensor -> key and value views (num_pages, kv_heads, page_size, head_dim), any strides
 Layout = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -56,9 +54,7 @@ def setup(vllm_config: VllmConfig) -> Setup | None:
     config, serving, where = found
     dense = startup.check(vllm_config, config, serving, where)
     dca = startup.dca_setup(vllm_config, config, where)
-    if where not in _described:
-        _described.add(where)
-        logger.warning(startup.describe(config, dense, where, dca))
+    logs.once(logging.WARNING, startup.describe(config, dense, where, dca))
     return Setup(config, dense, dca)
 
 

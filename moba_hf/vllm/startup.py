@@ -4,6 +4,7 @@ One schema, three places, the first found wins:
   1. ``--hf-overrides '{"moba_config": {...}}'`` (or a preset name / file path as the value),
   2. ``MOBA_HF_CONFIG=<preset name or .toml/.json/.yaml file>`` in the environment,
   3. ``moba_config`` in the checkpoint's config.json (what ``save_pretrained`` writes).
+``--hf-overrides '{"moba_config": null}'`` turns MoBA off whatever the other two say.
 None of them but Qwen's ``dual_chunk_attention_config`` in config.json (Qwen2.5-1M): dense DCA with its
 settings, ``MobaConfig(sparse=False)``. None at all: the plugin stays out of the way and vLLM's own attention
 runs.
@@ -17,6 +18,7 @@ import logging
 import os
 from typing import Any
 
+from .. import logs
 from ..config import MobaConfig, read_config_file
 from ..integration import rope_remap
 from ..integration.support import check_supported, rope_type
@@ -45,6 +47,10 @@ def _source(vllm_config: Any) -> tuple[Any, str] | None:
     model_config = vllm_config.model_config
     overrides = model_config.hf_overrides if isinstance(model_config.hf_overrides, dict) else {}
     if "moba_config" in overrides:
+        if overrides["moba_config"] is None:  # an explicit "no MoBA": the checkpoint's and the env's are not read
+            logs.once(logging.WARNING, "moba_hf: --hf-overrides moba_config is null, so MoBA is off and vLLM's own "
+                      "attention runs (%s and the checkpoint's moba_config are not read)", ENV)  # fmt: skip
+            return None
         return overrides["moba_config"], "--hf-overrides moba_config"
     env = os.environ.get(ENV)
     if env:
