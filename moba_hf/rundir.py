@@ -6,7 +6,8 @@ from it, checked field by field.
 
 The lock is a `flock` on out/run.lock, which the kernel drops when its process ends, however it ends (kill -9
 included): a lock whose process is gone is never in force. Its file, left behind with the old pid, is taken over
-with one log line. Without flock (Windows) runs into one directory are not serialized.
+with one log line. Without flock (Windows, a file system without locks: a log line) runs into one directory are
+not kept apart.
 
 `field_problem(record, {"correct": bool, "length": int, "sparsity": float | None})` names the first field whose
 value has another JSON type (`float` is any JSON number, `int` an integer, neither takes a boolean; `dict[str,
@@ -73,11 +74,15 @@ def lock_dir(out_dir: str | Path, *, why: str, error: type[Exception] = DirInUse
         handle = open(path, "a+")  # noqa: SIM115 - held open for the run: closing it releases the lock
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except BlockingIOError:
             handle.seek(0)
             holder = handle.read().strip()
             handle.close()
             raise error(f"{out_dir} is in use by another run ({_holder_text(holder)}, holding {path}): {why}") from None
+        except OSError as err:  # a file system without locks (some network mounts)
+            handle.close()
+            logger.warning("moba_hf: cannot lock %s (%s): runs into %s are not kept apart", path, err, out_dir)
+            return DirLock(None)
         try:
             if os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
                 break

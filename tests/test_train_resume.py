@@ -63,7 +63,8 @@ def test_resumed_run_equals_an_uninterrupted_one(tmp_path):
 
 def test_resume_without_a_checkpoint_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no whole checkpoint .* train.save_steps > 0"):
-        train(tiny_config(tmp_path), model=train_model(), dataset=tiny_dataset(), resume=True)
+        train(tiny_config(tmp_path / "new"), model=train_model(), dataset=tiny_dataset(), resume=True)
+    assert list(tmp_path.iterdir()) == []  # the directories made for the run's lock are removed again
 
 
 @pytest.fixture

@@ -295,15 +295,15 @@ def train(
     if allow_config_change and not resume:
         raise RunRefused("allow_config_change applies to a resume (resume=True, --resume) only")
     out = Path(output_dir or config.train.output_dir)
-    created = not out.exists()
+    created = [p for p in (out.absolute(), *out.absolute().parents) if not p.exists()]  # the leaf first
     held = claim_output_dir(out, resume=resume) if is_main_process() else DirLock(None)
     try:
         return _train(config, model, tokenizer, dataset, output_dir, callbacks, resume, allow_config_change)
     except RunRefused:
         held.release()
-        if created:  # refused before anything was written: leave no empty directory behind
-            with contextlib.suppress(OSError):
-                out.rmdir()
+        with contextlib.suppress(OSError):  # refused before anything was written: leave no directory behind
+            for path in created:
+                path.rmdir()
         raise
     finally:
         held.release()
