@@ -324,3 +324,67 @@ def test_lengths_past_a_learned_position_table_are_refused(tmp_path, capsys):
     assert "--lengths 100 (+8 generated tokens) needs 108 positions, but this model has a learned table of 64 " in err
     assert "64 positions (n_positions) and no RoPE" in err
     assert not (tmp_path / "out").exists()
+
+
+# --- records of another type --------------------------------------------------------------------------------
+
+
+def test_a_hand_edited_trial_of_another_type_is_refused_by_the_command(tmp_path, tokenizer, cache, capsys):
+    """'"correct": "false"' would count as correct (bool("false") is True): refused, naming file, line and field."""
+    ckpt = save_tiny(tmp_path / "ckpt", tokenizer, seed=0)
+    out = tmp_path / "out"
+    argv = ["eval", "passkey", "--model", str(ckpt), "--lengths", "64", "--depths", "0,1", "--trials", "1",
+            "--max-new-tokens", "1", "--attn", "sdpa", "--out", str(out), "--no-progress"]  # fmt: skip
+    assert cli.main(argv) == 0
+    trials = read_trials(out)
+    assert [t["correct"] for t in trials] == [False, False]  # a random model
+    trials[1]["correct"] = "false"
+    (out / TRIALS_FILE).write_text("".join(json.dumps(t) + "\n" for t in trials))
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{out / TRIALS_FILE} line 2 is not a trial record (field 'correct' is \"false\" (a string), " in err
+    assert "expected a boolean" in err
+
+
+@pytest.mark.parametrize(
+    "record, problem",
+    [
+        ({"length": "128"}, "field 'length' is \"128\" \\(a string\\), expected an integer"),
+        ({"correct": "false"}, "field 'correct' is \"false\" \\(a string\\), expected a boolean"),
+        ({"correct": 0}, "field 'correct' is 0 \\(a number\\), expected a boolean"),
+        ({"depth": True}, "field 'depth' is true \\(a boolean\\), expected a number"),
+        ({"sparsity": "0.5"}, "field 'sparsity' is \"0.5\" \\(a string\\), expected a number or null"),
+        ({"sparsity_per_layer": {"0": "x"}}, "field 'sparsity_per_layer' is \\{\"0\": \"x\"\\} \\(an object\\), "
+                                             "expected an object of numbers"),
+        ({"prefill_seconds": None}, "field 'prefill_seconds' is null \\(null\\), expected a number"),
+        ({"length": 256}, "field 'length' is 256, its key says length=128"),  # moved to another column
+    ],
+)  # fmt: skip
+def test_a_trial_field_of_another_type_is_refused_naming_line_field_value_and_type(tmp_path, record, problem):
+    good = {"key": "s|depth=0.5|length=128|trial=0", "setting": "s", "depth": 0.5, "length": 128, "trial": 0,
+            "correct": False, "sparsity": 0.5, "sparsity_per_layer": {"0": 0.5}, "prefill_seconds": 0.1}  # fmt: skip
+    (tmp_path / RUN_FILE).write_text(json.dumps(GOOD_RUN))
+    (tmp_path / TRIALS_FILE).write_text(json.dumps(good) + "\n" + json.dumps({**good, **record}) + "\n")
+    with pytest.raises(CorruptRunFile, match=f"{tmp_path / TRIALS_FILE} line 2 is not a trial record \\({problem}"):
+        ResultStore(tmp_path, "passkey", {}, {})
+    (tmp_path / TRIALS_FILE).write_text(json.dumps(good) + "\n")
+    with ResultStore(tmp_path, "passkey", {}, {}) as store:  # the record as written reads back
+        assert store.trials == {good["key"]: good}
+
+
+def test_a_stale_lock_of_a_killed_run_is_taken_over_with_a_log_line(tmp_path, caplog):
+    holder = "import sys\nfrom moba_hf.eval.runner import ResultStore\nResultStore(sys.argv[1], 'passkey', {}, {})\n"
+    holder += "print('ready', flush=True)\nsys.stdin.read()\n"
+    child = subprocess.Popen([sys.executable, "-c", holder, str(tmp_path)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert child.stdout.readline().strip() == "ready"
+    finally:
+        child.kill()  # kill -9: run.lock stays behind with its pid
+        child.wait(timeout=60)
+    assert (tmp_path / runner.LOCK_FILE).read_text().startswith(f"{child.pid} on ")
+    with caplog.at_level(logging.WARNING, "moba_hf"), ResultStore(tmp_path, "passkey", {}, {}):
+        assert (tmp_path / runner.LOCK_FILE).read_text().startswith(f"{os.getpid()} on ")
+    assert f"took over the lock of pid {child.pid} on " in caplog.text
+    assert "which ended without releasing it" in caplog.text

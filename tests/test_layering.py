@@ -17,7 +17,12 @@ ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 # entries of their own). A package's __init__ runs whenever any of its modules is imported, so what it imports at
 # import time must be allowed to each of them.
 LAYERS = (
-    ("options.py", "window.py", "logs.py"),  # torch-free vocabularies, the position window, log-once
+    (
+        "options.py",
+        "window.py",
+        "logs.py",
+        "rundir.py",
+    ),  # torch-free: vocabularies, the position window, log-once, run directories
     ("kernels",),  # tensor math
     ("presets",),  # the shipped preset files and their names
     ("dca/config.py",),  # DcaConfig
@@ -36,6 +41,7 @@ THIRD_PARTY = {  # entry -> libraries it may not import at all
     "options.py": ("torch", "transformers", "vllm"),
     "window.py": ("torch", "transformers", "vllm"),
     "logs.py": ("torch", "transformers", "vllm"),
+    "rundir.py": ("torch", "transformers", "vllm"),
     "presets": ("torch", "transformers", "vllm"),
     "dca/config.py": ("torch", "transformers", "vllm"),
     "config.py": ("torch", "transformers", "vllm"),

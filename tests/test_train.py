@@ -138,14 +138,17 @@ def test_every_backend_trains_like_the_reference(tmp_path, backend):
 def test_gradient_checkpointing_gives_the_same_training(tmp_path):
     runs = []
     for checkpointing in (False, True):
-        config = tiny_config(tmp_path, model={"gradient_checkpointing": checkpointing}, train={"max_steps": 3})
+        config = tiny_config(tmp_path / str(checkpointing), model={"gradient_checkpointing": checkpointing},
+                             train={"max_steps": 3})  # fmt: skip
         runs.append(train(config, model=train_model(), dataset=tiny_dataset()).losses)
     assert runs[1] == runs[0]  # recomputation repeats the same arithmetic in the same order: bit-identical
 
 
 def test_lora_and_trainable_subsets(tmp_path):
     before = train_model()
-    config = tiny_config(tmp_path, lora={"enabled": True, "r": 4, "alpha": 8}, train={"max_steps": 3, "save": True})
+    config = tiny_config(
+        tmp_path / "lora", lora={"enabled": True, "r": 4, "alpha": 8}, train={"max_steps": 3, "save": True}
+    )
     result = train(config, model=train_model(), dataset=tiny_dataset())
     merged = AutoModelForCausalLM.from_pretrained(result.output_dir, attn_implementation="moba")
     assert merged.config.moba_config == config.moba.to_dict()
@@ -156,7 +159,7 @@ def test_lora_and_trainable_subsets(tmp_path):
     assert changed and all(any(t in n for t in ("q_proj", "k_proj", "v_proj", "o_proj")) for n in changed)
 
     model = train_model()
-    config = tiny_config(tmp_path, model={"trainable": ["k_proj"]}, train={"max_steps": 2})
+    config = tiny_config(tmp_path / "subset", model={"trainable": ["k_proj"]}, train={"max_steps": 2})
     train(config, model=model, dataset=tiny_dataset())
     changed = {
         n for (n, p), q in zip(model.named_parameters(), before.parameters(), strict=True) if not torch.equal(p, q)
@@ -282,7 +285,7 @@ def test_seq_len_past_the_trained_window_warns(tmp_path, caplog):
     assert "DCA" in notes[0] and "RoPE scaling" in notes[0]
     caplog.clear()
     with caplog.at_level("WARNING", logger="moba_hf"):
-        train(config, model=short_window_model(64), dataset=rows_of(64))
+        train(config, model=short_window_model(64), dataset=rows_of(64), output_dir=tmp_path / "wide")
     assert not [m for m in caplog.messages if "trained window" in m]
 
 

@@ -63,7 +63,8 @@ def test_resumed_run_equals_an_uninterrupted_one(tmp_path):
 
 def test_resume_without_a_checkpoint_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no whole checkpoint .* train.save_steps > 0"):
-        train(tiny_config(tmp_path), model=train_model(), dataset=tiny_dataset(), resume=True)
+        train(tiny_config(tmp_path / "new"), model=train_model(), dataset=tiny_dataset(), resume=True)
+    assert list(tmp_path.iterdir()) == []  # the directories made for the run's lock are removed again
 
 
 @pytest.fixture
@@ -239,14 +240,16 @@ def test_allowed_changes_apply_and_are_recorded(tmp_path):
     assert decayed > 0
 
     record = json.loads((tmp_path / "lr" / "out" / "run_config.json").read_text())
-    entry = {"step": 4, "checkpoint": "checkpoint-4", "changes": {"train.learning_rate": [0.05, 0.1]}}
+    steps = {"train.max_steps": [6, 5]}  # free to change, recorded
+    entry = {"step": 4, "checkpoint": "checkpoint-4", "changes": {"train.learning_rate": [0.05, 0.1], **steps}}
     assert record["config_changes"] == [entry]
     assert json.loads((tmp_path / "lr" / "out" / "checkpoint-5" / "run_config.json").read_text()) == record
     summary = json.loads((tmp_path / "lr" / "out" / "train_summary.json").read_text())
     assert summary["config_changes"] == [entry]
     logged = [e["learning_rate"] for e in summary_log(tmp_path / "lr" / "out" / "checkpoint-5")]
     assert logged == [0.05] * 4 + [0.1]  # what the Trainer logs for each step
-    assert json.loads((tmp_path / "same" / "out" / "run_config.json").read_text())["config_changes"] == []
+    same = json.loads((tmp_path / "same" / "out" / "run_config.json").read_text())["config_changes"]
+    assert same == [{"step": 4, "checkpoint": "checkpoint-4", "changes": steps}]
 
 
 def summary_log(checkpoint):
@@ -364,5 +367,214 @@ def test_cli_resume_refuses_a_changed_config_and_records_an_allowed_one(tmp_path
     record = json.loads((out / "run_config.json").read_text())
     assert record["config"]["moba"]["block_size"] == 16
     assert record["config_changes"] == [
-        {"step": 4, "checkpoint": "checkpoint-4", "changes": {"moba.block_size": [8, 16]}}
+        {"step": 4, "checkpoint": "checkpoint-4", "changes": {"moba.block_size": [8, 16], "train.max_steps": [4, 6]}}
     ]
+
+
+# --- a finished run -----------------------------------------------------------------------------------------
+
+
+def snapshot(directory):
+    """Every file under `directory`: its bytes and modification time."""
+    return {
+        p.relative_to(directory).as_posix(): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+def finished_run(tmp_path, **train_keys):
+    """A whole 4-step SGD run with checkpoints at 2 and 4 and the final model saved."""
+    keys = {"max_steps": 4, "save_steps": 2, "optim": "sgd", "learning_rate": 0.05, "save": True, **train_keys}
+    config = tiny_config(tmp_path, train=keys)
+    train(config, model=train_model(), dataset=tiny_dataset())
+    return config
+
+
+def test_resume_of_a_finished_run_trains_and_writes_nothing(tmp_path, caplog):
+    config = finished_run(tmp_path)
+    out = tmp_path / "out"
+    before = snapshot(out)
+    for _ in range(3):  # each re-run trained one more step and overwrote the saved model
+        with caplog.at_level("WARNING", logger="moba_hf"):
+            result = train(config, model=train_model(), dataset=tiny_dataset(), resume=True)
+        assert result.finished_at == 4 and result.losses == [] and result.output_dir is None
+        assert result.resumed_from == out / "checkpoint-4"
+    assert snapshot(out) == before
+    line = (
+        f"moba_hf: {out} holds a finished run: checkpoint-4 is at step 4 and train.max_steps is 4; nothing to "
+        "train (raise train.max_steps, --max-steps, to continue it)"
+    )
+    assert [m for m in caplog.messages if "finished" in m] == [line] * 3
+
+
+def test_a_raised_max_steps_continues_a_finished_run_and_is_recorded(tmp_path):
+    config = finished_run(tmp_path)
+    out = tmp_path / "out"
+    result = train(config.replace("train", max_steps=6), model=train_model(), dataset=tiny_dataset(), resume=True)
+    assert result.resumed_from == out / "checkpoint-4" and result.finished_at is None
+    assert len(result.losses) == 6 and last_checkpoint(out).name == "checkpoint-6"
+    entry = {"step": 4, "checkpoint": "checkpoint-4", "changes": {"train.max_steps": [4, 6]}}
+    assert json.loads((out / "run_config.json").read_text())["config_changes"] == [entry]
+    assert json.loads((out / "checkpoint-6" / "run_config.json").read_text())["config_changes"] == [entry]
+    assert json.loads((out / "train_summary.json").read_text())["config_changes"] == [entry]
+
+
+def test_cli_resume_of_a_finished_run_says_so_in_one_line(tmp_path, capsys, caplog):
+    from moba_hf.cli import main
+
+    run = write_run(tmp_path, max_steps=2, save_steps=2)
+    out = tmp_path / "out"
+    assert main(["train", str(run), "--output-dir", str(out)]) == 0
+    before = snapshot(out)
+    capsys.readouterr()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="moba_hf"):
+        assert main(["train", str(run), "--output-dir", str(out), "--resume"]) == 0
+    assert capsys.readouterr() == ("", "")  # the log line alone (on stderr, from the command's logging setup)
+    assert caplog.messages == [
+        f"moba_hf: {out} holds a finished run: checkpoint-2 is at step 2 and train.max_steps is 2; nothing to "
+        "train (raise train.max_steps, --max-steps, to continue it)"
+    ]
+    assert snapshot(out) == before
+
+
+# --- one output directory, one run --------------------------------------------------------------------------
+
+
+class During(TrainerCallback):
+    """Calls `action` once, at the end of optimizer step `step`."""
+
+    def __init__(self, step, action):
+        self.step, self.action, self.result = step, action, None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            self.result = self.action()
+
+
+def test_a_second_training_into_a_directory_in_use_is_refused(tmp_path):
+    from moba_hf.train import RunRefused
+
+    config = tiny_config(tmp_path, train={"max_steps": 4, "save_steps": 2, "sparsity_every": 1})
+    out = tmp_path / "out"
+
+    def second_run():
+        with pytest.raises(RunRefused) as err:  # a new run, and a resume of the first, while it trains
+            train(config, model=train_model(), dataset=tiny_dataset())
+        with pytest.raises(RunRefused) as err_resume:
+            train(config, model=train_model(), dataset=tiny_dataset(), resume=True)
+        return str(err.value), str(err_resume.value)
+
+    probe = During(3, second_run)
+    first = train(config, model=train_model(), dataset=tiny_dataset(), callbacks=[probe])
+    for message in probe.result:
+        assert message.startswith(f"{out} is in use by another run (pid {os.getpid()} on ")
+        assert f"holding {out}/run.lock): two trainings into one directory would mix" in message
+    assert not (out / "run.lock").exists()  # released when the run ends
+    logged = [json.loads(line)["step"] for line in (out / "sparsity.jsonl").read_text().splitlines()]
+    assert logged == [0, 1, 2, 3] and [r["step"] for r in first.sparsity] == logged  # the first run's records only
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+
+
+def test_the_lock_is_released_on_an_exception_and_on_ctrl_c(tmp_path):
+    def interrupt():
+        raise KeyboardInterrupt
+
+    config = tiny_config(tmp_path, train={"max_steps": 6, "save_steps": 2})
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        train(config, model=train_model(), dataset=tiny_dataset(), callbacks=[During(3, interrupt)])
+    assert not (out / "run.lock").exists()
+    with pytest.raises(Stop):
+        train(config, model=train_model(), dataset=tiny_dataset(), callbacks=[StopAfterSave(4)], resume=True)
+    assert not (out / "run.lock").exists()
+    assert len(train(config, model=train_model(), dataset=tiny_dataset(), resume=True).losses) == 6
+
+
+def test_a_stale_lock_of_a_killed_training_is_taken_over_with_a_log_line(tmp_path, caplog):
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = "import sys\nfrom moba_hf.rundir import lock_dir\nlock_dir(sys.argv[1], why='')\n"
+    holder += "print('ready', flush=True)\nsys.stdin.read()\n"
+    child = subprocess.Popen([sys.executable, "-c", holder, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))  # fmt: skip
+    try:
+        assert child.stdout.readline().strip() == "ready"
+    finally:
+        child.kill()  # kill -9: run.lock stays behind with its pid
+        child.wait(timeout=60)
+    assert (out / "run.lock").read_text().startswith(f"{child.pid} on ")
+    with caplog.at_level("WARNING", logger="moba_hf"):
+        result = train(tiny_config(tmp_path, train={"max_steps": 2}), model=train_model(), dataset=tiny_dataset())
+    assert len(result.losses) == 2 and not (out / "run.lock").exists()
+    taken = [m for m in caplog.messages if "took over" in m]
+    assert len(taken) == 1 and taken[0].startswith(f"moba_hf: {out}/run.lock: took over the lock of pid {child.pid} ")
+
+
+@pytest.mark.parametrize("stopped", [True, False], ids=["partial", "finished"])
+def test_a_new_run_into_a_directory_holding_another_run_is_refused(tmp_path, stopped):
+    from moba_hf.train import RunRefused
+
+    if stopped:
+        config = stopped_run(tmp_path, train={"sparsity_every": 2})  # checkpoints 2 and 4 of 6
+        out = tmp_path / "run" / "out"
+    else:
+        config = finished_run(tmp_path, sparsity_every=2)
+        out = tmp_path / "out"
+    before = snapshot(out)
+    with pytest.raises(RunRefused) as err:
+        train(config.replace("moba", block_size=16), model=train_model(), dataset=tiny_dataset())
+    files = "run_config.json, sparsity.jsonl, checkpoint-2, checkpoint-4"
+    files = files if stopped else files.replace("run_config.json", "run_config.json, train_summary.json")
+    assert str(err.value) == (
+        f"{out} holds another training run ({files}): a new run into it would replace its checkpoints and append to "
+        "its records; continue it with --resume (train(..., resume=True)), give another output directory (--out, "
+        "train.output_dir), or remove these files first"
+    )
+    assert snapshot(out) == before
+
+
+# --- records read back --------------------------------------------------------------------------------------
+
+
+def test_a_run_record_of_another_type_is_refused_naming_file_field_and_type(tmp_path):
+    config = stopped_run(tmp_path)
+    path = last_checkpoint(config.train.output_dir) / "run_config.json"
+    record = json.loads(path.read_text())
+    path.write_text(json.dumps({**record, "config_changes": "none"}))  # list("none") became four changes
+    with pytest.raises(ValueError) as err:
+        train(config, model=train_model(), dataset=tiny_dataset(), resume=True)
+    assert str(err.value) == (
+        f"{path}: field 'config_changes' is \"none\" (a string), expected an array of objects (this package writes "
+        "the file whole: it was edited since); restore it"
+    )
+    bad_change = {"step": "4", "checkpoint": "checkpoint-4", "changes": {}}
+    path.write_text(json.dumps({**record, "config_changes": [bad_change]}))
+    with pytest.raises(ValueError, match=r"config_changes\[0\]: field 'step' is \"4\" \(a string\), expected an int"):
+        train(config, model=train_model(), dataset=tiny_dataset(), resume=True)
+
+
+@pytest.mark.parametrize(
+    "edit, problem",
+    [
+        (lambda r: r["history"][1].update(overall="0.5"), "history[1]: field 'overall' is \"0.5\" (a string), "
+                                                           "expected a number"),
+        (lambda r: r["history"][0].update(step=0.0), "history[0]: field 'step' is 0.0 (a number), expected an integer"),
+        (lambda r: r["modes"].update({"1": "sparse"}), 'modes has "1": "sparse", expected a step number: "moba" or '
+                                                       '"full"'),
+        (lambda r: r["history"][0].update(per_layer={"a": 0.5}), "history[0]: field 'per_layer' is {\"a\": 0.5}, "
+                                                                 "expected layer numbers as keys"),
+    ],
+)  # fmt: skip
+def test_an_attention_schedule_of_another_type_is_refused(tmp_path, edit, problem):
+    config = stopped_run(tmp_path, train={"sparsity_every": 2})
+    path = last_checkpoint(config.train.output_dir) / "attention_schedule.json"
+    record = json.loads(path.read_text())
+    edit(record)
+    path.write_text(json.dumps(record))
+    before = snapshot(path.parent.parent)
+    with pytest.raises(ValueError) as err:
+        train(config, model=train_model(), dataset=tiny_dataset(), resume=True)
+    assert str(err.value) == f"{path}: {problem} (this package writes the file whole: it was edited since)"
+    assert snapshot(path.parent.parent) == before  # refused before anything is written

@@ -31,12 +31,10 @@ import torch
 
 from ..config import MobaConfig
 from ..integration import track_sparsity
+from ..rundir import LOCK_FILE as LOCK_FILE  # run.lock, beside the other files of the directory
+from ..rundir import DirInUse, field_problem, lock_dir
+from ..rundir import kind as _kind
 from .settings import MOBA, Setting, use_setting
-
-try:
-    import fcntl
-except ImportError:  # Windows: no flock
-    fcntl = None
 
 logger = logging.getLogger("moba_hf")
 
@@ -44,7 +42,21 @@ RUN_FILE = "run.json"
 TRIALS_FILE = "trials.jsonl"
 RESULTS_FILE = "results.json"
 SUMMARY_FILE = "summary.md"
-LOCK_FILE = "run.lock"
+IN_USE = (
+    "two runs into one directory would both run the unfinished trials; wait for it to finish, or give another --out"
+)
+# the fields of a trial record that this package's tasks write, with their JSON types: a record read back from
+# trials.jsonl is refused when one has another type ("correct": "false" would count as correct, "length": "128"
+# would move the trial out of its column); fields a run_cell of another caller adds are not checked
+TRIAL_FIELDS = {
+    "key": str, "setting": str,
+    # the cell: which trial (the key repeats them)
+    "length": int, "depth": float, "trial": int, "family": str, "doc": int, "window": int, "task": str,
+    # what it gave
+    "correct": bool, "expected": str | int, "got": str | int | None, "output": str, "prompt_tokens": int,
+    "needle_token": int, "batch": int, "nll_sum": float, "tokens_scored": int,
+    "prefill_seconds": float, "decode_seconds": float, "sparsity": float | None, "sparsity_per_layer": dict[str, float],
+}  # fmt: skip
 
 
 def versions() -> dict[str, str]:
@@ -188,7 +200,7 @@ class CorruptRunFile(RunDirError):
     """run.json or a line of trials.jsonl is not what this package writes there."""
 
 
-class RunInUse(RunDirError):
+class RunInUse(RunDirError, DirInUse):
     """Another process is running into the same output directory."""
 
 
@@ -324,52 +336,6 @@ def weights_fingerprint(model: Any) -> str:
 # --- the output directory -----------------------------------------------------------------------------------
 
 
-def _lock(out_dir: Path) -> Any:
-    """An exclusive lock on out_dir/run.lock for this process's run (the file holds its pid while it runs and is
-    removed by `_unlock`), or RunInUse naming the holder."""
-    if fcntl is None:  # no flock on this platform: runs are not serialized
-        return None
-    path = out_dir / LOCK_FILE
-    while True:
-        handle = open(path, "a+")  # noqa: SIM115 - held open for the run: closing it releases the lock
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            handle.seek(0)
-            holder = handle.read().strip() or "unknown (it is starting)"
-            handle.close()
-            raise RunInUse(
-                f"{out_dir} is in use by another run (pid {holder}, holding {path}): two runs into one directory "
-                "would both run the unfinished trials; wait for it to finish, or give another --out"
-            ) from None
-        try:
-            if os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
-                break
-        except FileNotFoundError:
-            pass
-        handle.close()  # the holder removed the file between our open and flock: lock the new one
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"{os.getpid()} on {platform.node()}\n")
-    handle.flush()
-    return handle
-
-
-def _unlock(handle: Any) -> None:
-    """Remove run.lock, then release it (in that order, so a waiting process never locks a removed file)."""
-    with contextlib.suppress(OSError):
-        os.unlink(handle.name)
-    handle.close()
-
-
-_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
-               bool: "a boolean", type(None): "null"}  # fmt: skip
-
-
-def _kind(value: Any) -> str:
-    return _JSON_TYPES.get(type(value), type(value).__name__)
-
-
 def _read_run(path: Path) -> dict[str, Any]:
     """run.json, checked field by field: CorruptRunFile names the file and what is wrong."""
     fix = "restore it, or give a new --out"
@@ -404,6 +370,15 @@ def _trial_problem(record: Any) -> str | None:
     missing = [k for k in ("key", "setting") if not isinstance(record.get(k), str)]
     if missing:
         return f"an object without a string {' or '.join(map(repr, missing))} field"
+    problem = field_problem(record, TRIAL_FIELDS)
+    if problem:
+        return problem
+    key, setting = record["key"], record["setting"]
+    if key.startswith(setting + "|"):  # the key names the cell: a field must say the same
+        for part in key[len(setting) + 1 :].split("|"):
+            name, _, value = part.partition("=")
+            if name in record and str(record[name]) != value:
+                return f"field {name!r} is {json.dumps(record[name])}, its key says {name}={value}"
     return None
 
 
@@ -440,14 +415,14 @@ class ResultStore:
         self.trials: dict[str, dict[str, Any]] = {}
         self.changes: list[dict[str, Any]] = []  # resumes that went on past differences (allow_changed)
         self.warnings: list[str] = []  # shown under summary.md's table and kept in results.json
-        self._lock_handle = None
+        self._lock = None
         self.out_dir = None if out_dir is None else Path(out_dir)
         if self.out_dir is None:
             return
         if self.out_dir.exists() and not self.out_dir.is_dir():
             raise RunMismatch(f"output directory {self.out_dir} is a file; give a directory")
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self._lock_handle = _lock(self.out_dir)
+        self._lock = lock_dir(self.out_dir, why=IN_USE, error=RunInUse)
         try:
             self._open(weights)
         except BaseException:
@@ -478,9 +453,9 @@ class ResultStore:
 
     def close(self) -> None:
         """Release the output directory's lock (the store's trials stay readable)."""
-        if self._lock_handle is not None:
-            _unlock(self._lock_handle)
-            self._lock_handle = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def __enter__(self) -> ResultStore:
         return self

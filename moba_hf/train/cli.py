@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         if os.environ.get("RANK", "0") == "0":  # one line per run, not per process
             print(f"moba-hf train: interrupted; {where}", file=sys.stderr)
         return 130
-    if not result.is_main_process:
+    if not result.is_main_process or result.finished_at is not None:  # a finished run: train() logged one line
         return 0
     if result.resumed_from is not None:
         print(f"resumed from {result.resumed_from}")

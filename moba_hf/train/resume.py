@@ -11,7 +11,8 @@
 `resume_checkpoint` takes the newest checkpoint whose files all read back (truncated weights or a corrupt JSON
 file: skipped, with a log line naming the file); `check_resume` compares the new run with the checkpoint's
 `run_config.json` and refuses a difference, naming each key with both values, unless the caller allows changes;
-then the change is logged and appended to `config_changes`.
+then the change is logged and appended to `config_changes`. A changed `train.max_steps` needs no permission
+and is recorded there too. `run_files` lists what a run leaves in its directory (a new run into it is refused).
 """
 
 from __future__ import annotations
@@ -25,9 +26,23 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from ..rundir import field_problem
+
 logger = logging.getLogger("moba_hf")
 
 RUN_FILE = "run_config.json"
+SUMMARY_FILE = "train_summary.json"
+SPARSITY_FILE = "sparsity.jsonl"
+# run_config.json's fields with their JSON types: a record read back is refused when one has another type
+RUN_FIELDS = {
+    "config": dict[str, dict],
+    "switch_step": int | None,
+    "data_fingerprint": str | None,
+    "model_type": str,
+    "model_parameters": int,
+    "config_changes": list[dict],
+}
+CHANGE_FIELDS = {"step": int, "checkpoint": str, "changes": dict[str, list]}  # one entry of config_changes
 ALLOW_FLAG = "--allow-config-change"
 # keys that change bookkeeping, not what is trained: a resume may change them freely
 FREE = {
@@ -156,6 +171,32 @@ def resume_checkpoint(output_dir: str | Path) -> Path:
     raise RunRefused(f"resume: no whole checkpoint in {output_dir}: " + "; ".join(skipped))
 
 
+def checkpoint_step(checkpoint: Path) -> int:
+    """The optimizer step a whole checkpoint was written at (trainer_state.json's global_step)."""
+    return json.loads((checkpoint / "trainer_state.json").read_text())["global_step"]
+
+
+def run_files(output_dir: str | Path) -> list[str]:
+    """The files and checkpoints a training run leaves in output_dir (empty: no run has written there)."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    names = [p.name for p in checkpoints(out)[::-1]]
+    return [name for name in (RUN_FILE, SUMMARY_FILE, SPARSITY_FILE) if (out / name).exists()] + names
+
+
+def read_run_record(path: Path) -> dict[str, Any]:
+    """A run_config.json read back, its fields type-checked: RunRefused names the file, field, value and type."""
+    record = json.loads(path.read_text())
+    problem = field_problem(record, RUN_FIELDS, required=("config",)) if isinstance(record, dict) else "not an object"
+    for i, change in enumerate(record.get("config_changes", []) if problem is None else []):
+        inner = field_problem(change, CHANGE_FIELDS, required=tuple(CHANGE_FIELDS))
+        problem = problem or (inner and f"config_changes[{i}]: {inner}")
+    if problem:
+        raise RunRefused(f"{path}: {problem} (this package writes the file whole: it was edited since); restore it")
+    return record
+
+
 def data_fingerprint(dataset: Any) -> str | None:
     """sha256 (16 hex digits) of every row the Trainer reads (input_ids, labels, position_ids), in order."""
     import torch
@@ -220,7 +261,7 @@ def check_resume(
     saved_path = checkpoint / RUN_FILE
     changes: dict[str, list[Any]] = {}
     if saved_path.is_file():
-        saved = json.loads(saved_path.read_text())
+        saved = read_run_record(saved_path)
         diff = differences(saved, record)
         fixed = {k: v for k, v in diff.items() if fixed_reason(k)}
         if fixed:
@@ -233,6 +274,9 @@ def check_resume(
                 f"run's config, or {allow} with the new values (recorded in {RUN_FILE} under config_changes)"
             )
         changes.update({k: [v[0], v[1]] for k, v in diff.items()})
+        steps = [_flat(r).get("train.max_steps") for r in (saved, record)]
+        if steps[0] != steps[1]:  # free to change (no flag), but recorded: the run's length is part of its story
+            changes["train.max_steps"] = steps
         history = list(saved.get("config_changes", []))
     else:
         if not allow_config_change:
@@ -253,8 +297,9 @@ def check_resume(
         changes["optimizer_state"] = [f"{checkpoint.name}/{'+'.join(missing)}", "fresh (files missing)"]
     if changes and is_main_process():
         for key, (old, new) in changes.items():
-            logger.warning("moba_hf: %s: %s changed on resume: %r -> %r (%s)", where, key, old, new, ALLOW_FLAG)
-    step = json.loads((checkpoint / "trainer_state.json").read_text())["global_step"]
+            flag = "" if key == "train.max_steps" else f" ({ALLOW_FLAG})"
+            logger.warning("moba_hf: %s: %s changed on resume: %r -> %r%s", where, key, old, new, flag)
+    step = checkpoint_step(checkpoint)
     if changes:
         history.append({"step": step, "checkpoint": checkpoint.name, "changes": changes})
     return {**record, "config_changes": history}, changes

@@ -22,9 +22,13 @@ from transformers import TrainerCallback
 
 from ..config import MobaConfig
 from ..integration import apply, track_sparsity
+from ..rundir import field_problem
 
 logger = logging.getLogger("moba_hf")
 SCHEDULE_FILE = "attention_schedule.json"
+# attention_schedule.json's fields with their JSON types (read back on resume, refused when one differs)
+SCHEDULE_FIELDS = {"modes": dict[str, str], "history": list[dict]}
+HISTORY_FIELDS = {"step": int, "overall": float, "per_layer": dict[str, float], "backends": list[str]}
 
 
 def base_model(model: Any) -> Any:
@@ -36,6 +40,25 @@ def base_model(model: Any) -> Any:
             model = model.module
         else:
             return model
+
+
+def schedule_problem(record: Any) -> str | None:
+    """What makes a parsed attention_schedule.json other than what `AttentionSchedule.save` writes, or None."""
+    if not isinstance(record, dict):
+        return "not an object"
+    problem = field_problem(record, SCHEDULE_FIELDS, required=tuple(SCHEDULE_FIELDS))
+    if problem:
+        return problem
+    for step, mode in record["modes"].items():
+        if not step.isdigit() or mode not in ("moba", "full"):
+            return f'modes has {json.dumps(step)}: {json.dumps(mode)}, expected a step number: "moba" or "full"'
+    for i, entry in enumerate(record["history"]):
+        problem = field_problem(entry, HISTORY_FIELDS, required=tuple(HISTORY_FIELDS))
+        if problem is None and not all(k.isdigit() for k in entry["per_layer"]):
+            problem = f"field 'per_layer' is {json.dumps(entry['per_layer'])[:60]}, expected layer numbers as keys"
+        if problem:
+            return f"history[{i}]: {problem}"
+    return None
 
 
 class AttentionSchedule(TrainerCallback):
@@ -59,6 +82,9 @@ class AttentionSchedule(TrainerCallback):
         """Take the record of a checkpoint's steps; sparsity.jsonl is cut back to them (later steps rerun)."""
         path = Path(checkpoint) / SCHEDULE_FILE
         record = json.loads(path.read_text()) if path.is_file() else {"modes": {}, "history": []}
+        problem = schedule_problem(record)
+        if problem:
+            raise ValueError(f"{path}: {problem} (this package writes the file whole: it was edited since)")
         self.modes = {int(step): mode for step, mode in record["modes"].items()}
         # JSON keys are strings; layer indices are ints in a live run
         self.history = [{**r, "per_layer": {int(k): v for k, v in r["per_layer"].items()}} for r in record["history"]]

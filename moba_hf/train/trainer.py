@@ -8,6 +8,7 @@ No communication code lives here: the Trainer / accelerate handle devices, proce
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -22,6 +23,7 @@ import torch
 from transformers import Trainer
 
 from ..integration import apply
+from ..rundir import DirLock, lock_dir
 from ..window import check_positions
 from .config import TrainConfig
 from .data import PackedDataset, collate, drop_untrained_rows, pack, read_documents
@@ -30,7 +32,10 @@ from .resume import (
     RUN_FILE,
     RunRefused,
     check_resume,
+    checkpoint_step,
+    is_main_process,
     resume_checkpoint,
+    run_files,
     run_record,
     write_record,
 )
@@ -38,6 +43,10 @@ from .schedule import AttentionSchedule, base_model
 from .synthetic import retrieval_mixture
 
 logger = logging.getLogger("moba_hf")
+IN_USE = (
+    "two trainings into one directory would mix their checkpoints and records; wait for it to finish, or give "
+    "another output directory (--out, train.output_dir)"
+)
 
 
 @dataclasses.dataclass
@@ -48,6 +57,7 @@ class TrainResult:
     sparsity: list[dict]  # measured sparsity records (see AttentionSchedule)
     is_main_process: bool = True
     resumed_from: Path | None = None  # the checkpoint a `resume=True` run continued from
+    finished_at: int | None = None  # a resume of a run already at train.max_steps: its step (nothing was trained)
 
 
 class MobaTrainer(Trainer):
@@ -274,12 +284,73 @@ def train(
     the MoBA / full phase, as the HF Trainer's resume_from_checkpoint does. A config, data or model that differs
     from the checkpoint's run, or a checkpoint without optimizer state, is refused (RunRefused, naming each
     key with both values); allow_config_change=True continues with the new values, logs them and appends them to
-    `config_changes` in run_config.json (`resume.FIXED` lists what no resume can change).
+    `config_changes` in run_config.json (`resume.FIXED` lists what no resume can change). A resume of a run
+    whose checkpoint is at `train.max_steps` (finished) trains and writes nothing: one log line, and
+    `finished_at` in the result; a raised `train.max_steps` continues it (recorded in `config_changes`).
+
+    The output directory is locked while the run lives (`run.lock`, as eval's): a second run into it is
+    refused, naming the directory and the pid of the first. A new run (resume=False) into a directory that holds
+    another run's files (run_config.json, checkpoint-N, ...) is refused, naming them.
     """
+    if allow_config_change and not resume:
+        raise RunRefused("allow_config_change applies to a resume (resume=True, --resume) only")
+    out = Path(output_dir or config.train.output_dir)
+    created = [p for p in (out.absolute(), *out.absolute().parents) if not p.exists()]  # the leaf first
+    held = claim_output_dir(out, resume=resume) if is_main_process() else DirLock(None)
+    try:
+        return _train(config, model, tokenizer, dataset, output_dir, callbacks, resume, allow_config_change)
+    except RunRefused:
+        held.release()
+        with contextlib.suppress(OSError):  # refused before anything was written: leave no directory behind
+            for path in created:
+                path.rmdir()
+        raise
+    finally:
+        held.release()
+
+
+def claim_output_dir(out: Path, *, resume: bool) -> DirLock:
+    """The lock of this run on `out` (created if missing); RunRefused when another process holds it, or when a
+    new run (no resume) would write into a directory that holds another run's files."""
+    if out.exists() and not out.is_dir():
+        raise RunRefused(f"train.output_dir {out} is a file; give a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    held = lock_dir(out, why=IN_USE, error=RunRefused)
+    found = [] if resume else run_files(out)
+    if found:
+        held.release()
+        listed = ", ".join(found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
+        resumable = any(name.startswith("checkpoint-") for name in found)
+        go_on = "continue it with --resume (train(..., resume=True)), " if resumable else ""
+        raise RunRefused(
+            f"{out} holds another training run ({listed}): a new run into it would replace its checkpoints and "
+            f"append to its records; {go_on}give another output directory (--out, train.output_dir), or remove "
+            "these files first"
+        )
+    return held
+
+
+def _train(
+    config: TrainConfig,
+    model: Any,
+    tokenizer: Any,
+    dataset: PackedDataset | None,
+    output_dir: str | Path | None,
+    callbacks: list | None,
+    resume: bool,
+    allow_config_change: bool,
+) -> TrainResult:
     try:  # every refusal comes before the first step, as one RunRefused naming the key, file or line
-        if allow_config_change and not resume:
-            raise ValueError("allow_config_change applies to a resume (resume=True, --resume) only")
         checkpoint = resume_checkpoint(Path(output_dir or config.train.output_dir)) if resume else None
+        step = checkpoint_step(checkpoint) if checkpoint is not None else None
+        if step is not None and step >= config.train.max_steps:  # the Trainer would run one more step, and save
+            if is_main_process():
+                logger.warning(
+                    "moba_hf: %s holds a finished run: %s is at step %d and train.max_steps is %d; nothing to "
+                    "train (raise train.max_steps, --max-steps, to continue it)",
+                    checkpoint.parent, checkpoint.name, step, config.train.max_steps,
+                )  # fmt: skip
+            return TrainResult(None, [], {}, [], is_main_process(), checkpoint, finished_at=step)
         if model is None:
             model, tokenizer = load_model(config)
         if dataset is None:
