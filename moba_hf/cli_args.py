@@ -148,5 +148,14 @@ def check_model(name: str, flag: str = "--model") -> None:
         close = difflib.get_close_matches(name.lower(), list(EMBEDDED), n=1, cutoff=0.6)
         hint = f"did you mean {close[0]}? " if close else ""
         raise UsageError(f"{given}: no such directory, embedded name or hub id; {hint}{accepted}")
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false") and not _in_hub_cache(name):
         raise UsageError(f"{given}: no such directory, and HF_HUB_OFFLINE is set (no hub lookup); {accepted}")
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    """Whether the hub cache holds the repo's config.json (what an offline from_pretrained would read)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return False
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -243,3 +244,20 @@ def test_train_example_writes_the_shipped_config(tmp_path, capsys, monkeypatch):
     assert run(["train"]) == 2
     assert "moba-hf train --example" in capsys.readouterr().err
     assert "--example" in cli.build_parser(["train"])._subparsers._group_actions[0].choices["train"].format_help()
+
+
+def test_offline_hub_id_is_taken_when_cached(tmp_path):
+    """HF_HUB_OFFLINE=1: an org/name in the hub cache is accepted (from_pretrained reads it there), another refused."""
+    snapshot = tmp_path / "hub" / "models--org--cached" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "hub" / "models--org--cached" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--cached" / "refs" / "main").write_text("abc123")
+    code = (
+        "from moba_hf.cli_args import UsageError, check_model\ncheck_model('org/cached')\n"
+        "try:\n    check_model('org/missing')\nexcept UsageError as e:\n    print(e)\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.startswith("--model org/missing: no such directory, and HF_HUB_OFFLINE is set"), res.stdout
