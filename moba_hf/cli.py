@@ -44,6 +44,7 @@ COMMANDS = {
     "train": ("moba_hf.train.cli", "continue-train a model with MoBA (Trainer; accelerate launch for multi-GPU)"),
     "dca-matrix": ("moba_hf.dca.cli", "print the DCA relative-position matrix"),
     "presets": ("moba_hf.presets.cli", "list the named MoBA / DCA presets (MobaConfig.preset(NAME), moba:NAME)"),
+    "model-path": ("moba_hf.models", "print an embedded model's directory (for vllm serve, lm-eval pretrained=, ...)"),
 }
 COMMAND_MODULES = tuple(dict.fromkeys(module for module, _ in COMMANDS.values()))
 
@@ -76,9 +77,33 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (sub)command that `args` came from: `moba-hf eval passkey`'s for an eval passkey run."""
+    while True:
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        chosen = getattr(args, sub.dest, None) if sub is not None else None
+        if chosen not in getattr(sub, "choices", {}):
+            return parser
+        parser = sub.choices[chosen]
+
+
+def refuse_unknown(parser: argparse.ArgumentParser, unknown: list[str]) -> None:
+    """One line from the command's own parser, with the closest flag of that command."""
+    import difflib
+
+    flags = [o for action in parser._actions for o in action.option_strings]
+    first = next((u.split("=")[0] for u in unknown if u.startswith("-")), "")
+    close = difflib.get_close_matches(first, flags, n=1) if first else []
+    hint = f"; did you mean {close[0]}?" if close else ""
+    parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(argv).parse_args(argv)
+    parser = build_parser(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        refuse_unknown(command_parser(parser, args), unknown)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(message)s")
     prog = getattr(args, "prog", f"moba-hf {args.command}")
     try:

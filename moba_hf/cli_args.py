@@ -121,25 +121,41 @@ def check_out(path: str) -> Path:
     return out
 
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+# a hub id is org/name (one slash, no leading dot or tilde); a bare word is an embedded name or a mistake
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def check_model(name: str, flag: str = "--model") -> None:
-    """--model must be an embedded name, a checkpoint directory, or (online) a hub id."""
+    """--model must be an embedded name, a checkpoint directory, or (online) a hub id `org/name`: anything else is
+    refused at once (a bare word with the closest embedded name), without asking the hub."""
+    import difflib
+
     from .models import EMBEDDED
 
     if name in EMBEDDED:
         return
+    given = f"{flag}{name}" if flag.endswith("=") else f"{flag} {name}"  # --model x, or pretrained=x
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise UsageError(f"{flag} {name}: the directory has no config.json (not a saved checkpoint)")
+            raise UsageError(f"{given}: the directory has no config.json (not a saved checkpoint)")
         return
+    accepted = f"give an embedded name ({', '.join(EMBEDDED)}), a checkpoint directory or a hub id org/name"
     if path.exists():
-        raise UsageError(f"{flag} {name}: a file; give a checkpoint directory, a hub id or {', '.join(EMBEDDED)}")
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
-    if offline or not _HUB_ID.match(name) or name.startswith((".", "~")):
-        raise UsageError(
-            f"{flag} {name}: no such directory; give an embedded name ({', '.join(EMBEDDED)}), "
-            "a checkpoint directory or a hub id"
-        )
+        raise UsageError(f"{given}: a file; {accepted}")
+    # org/name whose org is a local directory (runs/my-run) means a directory too
+    if _HUB_ID.match(name) is None or name.startswith((".", "~")) or path.parent.is_dir() and path.parent.name:
+        close = difflib.get_close_matches(name.lower(), list(EMBEDDED), n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise UsageError(f"{given}: no such directory, embedded name or hub id; {hint}{accepted}")
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false") and not _in_hub_cache(name):
+        raise UsageError(f"{given}: no such directory, and HF_HUB_OFFLINE is set (no hub lookup); {accepted}")
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    """Whether the hub cache holds the repo's config.json (what an offline from_pretrained would read)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return False
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)

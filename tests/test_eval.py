@@ -256,11 +256,13 @@ def test_passkey_command_end_to_end_resume_and_failure(tiny_dir, tmp_path, capsy
 
 
 def test_all_settings_failing_is_reported_not_raised(tiny_dir, tmp_path):
+    # a known name that fails once the model has it: a dense layer past the tiny model's two layers
     code = run_cli("eval", "passkey", "--model", str(tiny_dir), "--lengths", "64", "--depths", "0.5", "--trials", "1",
-                   "--attn", "nonexistent_attention", "--out", str(tmp_path / "f"), "--no-progress")  # fmt: skip
+                   "--attn", "bad=moba:full_attn_layer_ids=[7]", "--out", str(tmp_path / "f"),
+                   "--no-progress")  # fmt: skip
     assert code == 1
     results = json.loads((tmp_path / "f" / "results.json").read_text())
-    assert results["trials"] == [] and "nonexistent_attention" in results["failures"]
+    assert results["trials"] == [] and "bad" in results["failures"]
 
 
 def test_niah_command_with_haystack_directory(tiny_dir, tmp_path):
@@ -432,3 +434,41 @@ def test_passkey_smollm2_2k_sdpa(tmp_path):
     result = passkey_eval(model, tok, ["sdpa"], lengths=[2048], depths=[0.0, 0.25, 0.5, 0.75, 1.0], trials=1,
                           out_dir=tmp_path, progress=False, track=False)  # fmt: skip
     assert result.cells()[("sdpa", 2048)]["accuracy"] >= 0.8, result.summary
+
+
+def test_inline_settings_are_named_whole_with_dotted_values():
+    # a value with a dot (top_p=0.5) is not a file suffix: the name keeps every field
+    first = parse_setting("moba:top_p=0.5,block_size=16,top_k=4")
+    assert first.name == "moba(top_p=0.5,block_size=16,top_k=4)" and first.moba.top_p == 0.5
+    both = resolve_settings(["moba:top_p=0.5,block_size=16,top_k=4", "moba:top_p=0.8,block_size=16,top_k=4"])
+    assert [s.name for s in both] == ["moba(top_p=0.5,block_size=16,top_k=4)", "moba(top_p=0.8,block_size=16,top_k=4)"]
+
+
+def test_mistyped_attention_names_are_refused_with_the_closest(tmp_path):
+    with pytest.raises(ValueError, match="unknown attention 'sdpaa'; did you mean 'sdpa'"):
+        parse_setting("sdpaa")
+    with pytest.raises(ValueError, match="did you mean 'b64-k12-f3'"):
+        parse_setting("b64-k12-f4")
+    with pytest.raises(ValueError, match="did you mean 'moba'"):
+        parse_setting("mobaa:top_k=3")
+    with pytest.raises(ValueError, match="did you mean 'training-free'"):
+        parse_setting("moba:trainingfree")
+    listing = tmp_path / "settings.toml"
+    listing.write_text('[[setting]]\nattn = "eagre"\n')
+    with pytest.raises(ValueError, match="did you mean 'eager'"):
+        load_settings_file(listing)
+    # what transformers takes besides its registry: eager, a paged| prefix, a hub kernel
+    for name in ("eager", "flex_attention", "paged|eager", "kernels-community/flash-attn"):
+        assert parse_setting(name).attn == name
+
+
+def test_summary_speed_up_is_higher_when_faster():
+    from moba_hf.eval.report import summary_table
+
+    records = [
+        {"setting": "sdpa", "length": 64, "correct": True, "prefill_seconds": 2.0, "sparsity": 0.0},
+        {"setting": "moba", "length": 64, "correct": True, "prefill_seconds": 1.0, "sparsity": 0.5},
+    ]
+    table = summary_table(records, ["sdpa", "moba"], [64], metric="accuracy")
+    assert "| speed-up vs sdpa (>1 = faster) |" in table
+    assert "| `moba` | 1.00 (1/1) | 1.00 | 1.000 | 2.00x | 0.500 |" in table

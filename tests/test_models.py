@@ -91,3 +91,36 @@ def test_load_is_the_loader_for_embedded_names(calls):
     with pytest.raises(ValueError, match="unknown embedded model 'tiny'; available: \\['smollm2'\\]"):
         models.load("tiny")
     assert len(calls) == 2
+
+
+def test_embedded_name_is_public_and_resolved(monkeypatch, tmp_path, capsys):
+    import moba_hf
+    from moba_hf import cli
+
+    assert moba_hf.embedded_path is models.embedded_path and models.local_path is models.embedded_path
+    assert "embedded_path" in moba_hf.__all__
+    made = tmp_path / "smollm2-dir"
+    monkeypatch.setattr(models, "embedded_path", lambda name="smollm2": made)
+    assert models.resolve("smollm2") == made and models.resolve("org/name") == "org/name"
+    seen = {}
+
+    def from_pretrained(name_or_path, moba=None, **kwargs):
+        seen.update(path=name_or_path, moba=moba, **kwargs)
+        return "model"
+
+    import moba_hf.integration as integration
+
+    monkeypatch.setattr(integration, "from_pretrained", from_pretrained)
+    assert moba_hf.from_pretrained("smollm2", moba="training-free", dtype="float32") == "model"
+    assert seen == {"path": made, "moba": "training-free", "dtype": "float32"}  # the embedded directory
+    assert cli.main(["model-path", "smollm2"]) == 0
+    assert capsys.readouterr().out == f"{made}\n"  # only the path on stdout: "$(moba-hf model-path smollm2)"
+
+
+@pytest.mark.slow
+def test_from_pretrained_loads_the_embedded_model_by_name():
+    import moba_hf
+
+    model = moba_hf.from_pretrained("smollm2", moba="training-free")
+    assert model.config._attn_implementation == "moba"
+    assert model.config.name_or_path == str(models.embedded_path("smollm2"))

@@ -31,6 +31,18 @@ def test_demo_extra_holds_what_loading_the_gguf_needs():
     assert {"gguf", "accelerate"} <= _extras()["demo"]  # transformers refuses a GGUF file without accelerate
 
 
+def test_eval_extra_holds_the_server_client_of_lm_eval():
+    """`moba-hf lm-eval --model local-completions` (docs/eval.md) imports tenacity, from lm-eval's `api` extra."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    reqs = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["eval"]
+    (lm_eval,) = [r for r in reqs if r.startswith("lm-eval[")]
+    assert {"api", "ruler"} <= set(lm_eval[len("lm-eval[") : lm_eval.index("]")].split(","))
+    assert "--model local-completions" in (ROOT / "docs" / "eval.md").read_text()
+
+
 def test_no_extra_can_replace_a_cuda_vllm():
     """vLLM's CPU build ships a `vllm` package too: only an extra named for it may install it, and no extra installs
     vLLM itself (GPU users install theirs; the plugin needs only `vllm` importable)."""
@@ -65,6 +77,17 @@ def test_wheel_ships_presets_and_task_files(wheel_site):
     presets = {n for n in names if n.startswith("moba_hf/presets/") and n.endswith(".toml")}
     assert {"moba_hf/presets/training-free.toml", "moba_hf/presets/paper-8k.toml"} <= presets
     assert any(n.endswith("lm_eval_tasks/moba_passkey.yaml") for n in names)
+    assert "moba_hf/train/train_cpu_demo.toml" in names  # what `moba-hf train --example` writes
+
+
+def test_wheel_writes_the_training_example_outside_the_repo(wheel_site, tmp_path):
+    _, site = wheel_site
+    res = _run_outside(site, tmp_path, "-m", "moba_hf.cli", "train", "--example")
+    assert res.returncode == 0, res.stderr[-3000:]
+    written = (tmp_path / "train_cpu_demo.toml").read_text()
+    assert written == (ROOT / "configs" / "train_cpu_demo.toml").read_text()
+    help_text = _run_outside(site, tmp_path, "-m", "moba_hf.cli", "train", "--help").stdout
+    assert "--example" in help_text and "configs/" not in help_text  # help names what works from a wheel
 
 
 @pytest.mark.slow

@@ -191,9 +191,9 @@ def _local_config(name: str) -> dict[str, Any] | None:
     import json
     from pathlib import Path
 
-    from ..models import EMBEDDED, local_path
+    from ..models import EMBEDDED, embedded_path
 
-    path = (local_path(name) if name in EMBEDDED else Path(name).expanduser()) / "config.json"
+    path = (embedded_path(name) if name in EMBEDDED else Path(name).expanduser()) / "config.json"
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -396,7 +396,22 @@ def _run_lm_eval_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_lm_eval_models(argv: list[str]) -> None:
+    """`pretrained=` / `tokenizer=` in lm-eval's `--model_args` (its key=value form) name a model as `--model`
+    does: a mistyped name or a missing directory is refused here, before lm-eval loads anything or asks the hub."""
+    values = [a.removeprefix("--model_args=") for a in argv if a.startswith("--model_args=")]
+    values += [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--model_args"]
+    for value in values:
+        if value.lstrip().startswith("{"):
+            continue  # JSON model args: lm-eval reads them
+        for item in value.split(","):
+            key, sep, name = (part.strip() for part in item.partition("="))
+            if sep and key in ("pretrained", "tokenizer") and name:
+                check_model(name, f"--model_args {key}=")
+
+
 def _run_lm_eval(args: argparse.Namespace) -> int:
     from .harness import run_lm_eval
 
+    _check_lm_eval_models(args.lm_eval_args)
     return run_lm_eval(args.lm_eval_args)

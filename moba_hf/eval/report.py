@@ -55,15 +55,16 @@ def summary_table(
     failures: dict[str, str] | None = None,
     title: str = "",
 ) -> str:
-    """Markdown: one row per setting; `metric` is "accuracy" or "ppl" per length, then prefill time, its
-    ratio to the first setting, and measured sparsity at the longest length."""
+    """Markdown: one row per setting; `metric` is "accuracy" or "ppl" per length, then prefill time, the speed-up
+    over the first setting (its prefill time / this one's: higher = faster, as everywhere in moba_hf), and
+    measured sparsity at the longest length."""
     by_length = aggregate(records, ("setting", "length"))
     longest = max(lengths)
     failures = failures or {}
     head = ["setting", *[f"{metric} @{n}" for n in lengths]]
     if metric == "accuracy":
         head.append("all")
-    head += [f"prefill s @{longest}", f"prefill vs {settings[0]}", f"sparsity @{longest}"]
+    head += [f"prefill s @{longest}", f"speed-up vs {settings[0]} (>1 = faster)", f"sparsity @{longest}"]
     lines = ([f"### {title}", ""] if title else []) + ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     base = by_length.get((settings[0], longest), {}).get("prefill_seconds")
     for name in settings:
@@ -83,7 +84,7 @@ def summary_table(
         cell = by_length.get((name, longest), {})
         prefill = cell.get("prefill_seconds")
         row.append(_fmt(prefill, ".3f"))
-        row.append(f"{prefill / base:.2f}x" if prefill and base else "—")
+        row.append(f"{base / prefill:.2f}x" if prefill and base else "—")
         row.append(_fmt(cell.get("sparsity"), ".3f"))
         if name in failures:
             row[0] += " (failed)"

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
+import difflib
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -155,12 +156,55 @@ def parse_inline(text: str) -> MobaConfig:
     return MobaConfig.from_dict(fields)
 
 
-def _auto_name(attn: str, moba: MobaConfig | None, source: str) -> str:
+def _auto_name(attn: str, moba: MobaConfig | None, source: str, inline: bool = False) -> str:
+    """The reported name: `attn` for dense, a file's stem or a preset's name, `moba(k=v,...)` for inline fields
+    (whole: a value such as top_p=0.5 holds a dot that is not a file suffix)."""
     if moba is None:
         return attn
-    if source and (Path(source).suffix or "=" not in source):
-        return Path(source).stem  # a file's stem or a preset's name
-    return f"moba({source})" if source else "moba"
+    if inline:
+        return f"moba({source})"
+    return Path(source).stem if source else "moba"
+
+
+def attn_names() -> list[str]:
+    """The attn_implementation names transformers accepts here ("moba" included); a hub kernel ("org/name")
+    and a `paged|` prefix are accepted besides."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from ..integration import register
+
+    register()
+    return sorted({"eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()})
+
+
+def suggestion(word: str, choices: Iterable[str]) -> str:
+    """ "; did you mean 'x'?" for the closest of `choices` (difflib), or "" when none is close."""
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def check_attn(attn: str) -> None:
+    """Refuse an attention name transformers would refuse once the model is loaded (ValueError naming the
+    accepted names, with the closest one)."""
+    known = attn_names()
+    if attn in known or "/" in attn or attn.removeprefix("paged|") in known:
+        return
+    raise ValueError(
+        f"unknown attention {attn!r}{suggestion(attn, [*known, *SWEEP_GRID])} (accepted: {', '.join(known)}, "
+        "moba:PRESET, moba:FILE, moba:key=value,..., a sweep grid name, or a hub kernel org/name)"
+    )
+
+
+def _from_spec(spec: str) -> MobaConfig:
+    """MobaConfig.from_spec, its refusal of a mistyped preset name ending with the closest preset."""
+    from .. import presets
+
+    try:
+        return MobaConfig.from_spec(spec)
+    except ValueError as error:
+        if Path(spec).suffix or any(sep in spec for sep in "/\\") or "did you mean" in str(error):
+            raise
+        raise ValueError(f"{error}{suggestion(spec, presets.names())}") from None
 
 
 def parse_setting(spec: SettingLike) -> Setting:
@@ -185,12 +229,14 @@ def parse_setting(spec: SettingLike) -> Setting:
     if not sep:
         if attn in SWEEP_GRID:
             return Setting(name or attn, MOBA, SWEEP_GRID[attn])
+        check_attn(attn)
         return Setting(name or attn, attn, None)
     if attn != MOBA:
-        raise ValueError(f"only 'moba' takes options after ':'; got setting {spec!r}")
+        raise ValueError(f"only 'moba' takes options after ':'; got setting {spec!r}{suggestion(attn, [MOBA])}")
     # key=value pairs inline; otherwise a preset name or a config file
-    moba = parse_inline(rest) if "=" in rest and not Path(rest).is_file() else MobaConfig.from_spec(rest)
-    return Setting(name or _auto_name(attn, moba, rest), MOBA, moba)
+    inline = "=" in rest and not Path(rest).is_file()
+    moba = parse_inline(rest) if inline else _from_spec(rest)
+    return Setting(name or _auto_name(attn, moba, rest, inline), MOBA, moba)
 
 
 def load_settings_file(path: str | Path) -> list[Setting]:
@@ -214,13 +260,16 @@ def load_settings_file(path: str | Path) -> list[Setting]:
             source = moba_raw
             beside = Path(path).parent / moba_raw  # a file relative to the settings file
             relative = not Path(moba_raw).is_absolute() and not Path(moba_raw).is_file() and beside.is_file()
-            moba = MobaConfig.from_spec(beside if relative else moba_raw)
+            moba = MobaConfig.from_spec(beside) if relative else _from_spec(moba_raw)
         elif moba_raw is not None:
             moba = MobaConfig.from_dict(moba_raw)
             source = ",".join(f"{k}={v}" for k, v in moba_raw.items())
         else:
             moba = None
-        settings.append(Setting(row.get("name") or _auto_name(attn, moba, source), attn, moba))
+        if attn != MOBA:
+            check_attn(attn)
+        inline = moba_raw is not None and not isinstance(moba_raw, str)
+        settings.append(Setting(row.get("name") or _auto_name(attn, moba, source, inline), attn, moba))
     return settings
 
 

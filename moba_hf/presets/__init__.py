@@ -7,6 +7,7 @@ Each preset is one TOML file beside this module: an `[about]` table (`summary`, 
 
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
 
@@ -29,4 +30,6 @@ def path(name: str) -> Path:
             f"{str(name)!r} is a file path, not a preset name (presets: {', '.join(names())}); load a file with "
             "MobaConfig.from_file(path), or MobaConfig.from_spec, which takes a preset name or a file"
         )
-    raise ValueError(f"unknown MoBA preset {name!r}; presets: {', '.join(names())}")
+    close = difflib.get_close_matches(name, names(), n=1) if isinstance(name, str) else []
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ValueError(f"unknown MoBA preset {name!r}; presets: {', '.join(names())}{hint}")

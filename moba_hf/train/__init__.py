@@ -9,6 +9,7 @@ from typing import Any
 _WHERE = {
     "AttentionSchedule": "schedule",
     "Document": "data",
+    "EXAMPLE_CONFIG": "cli",
     "PackedDataset": "data",
     "RunRefused": "resume",
     "TrainConfig": "config",

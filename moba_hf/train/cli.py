@@ -6,14 +6,31 @@ import argparse
 import ast
 import os
 import sys
+from pathlib import Path
 from typing import Any
+
+# the CPU example config, shipped in the wheel (a clone has the same file as configs/train_cpu_demo.toml)
+EXAMPLE_CONFIG = Path(__file__).resolve().parent / "train_cpu_demo.toml"
 
 
 def add_commands(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "train", help="continue-train a model with MoBA (Trainer; accelerate launch for multi-GPU)"
     )
-    p.add_argument("config", help="training config (.toml / .json / .yaml), see configs/train_cpu_demo.toml")
+    p.add_argument(
+        "config",
+        nargs="?",
+        help="training config (.toml / .json / .yaml); `moba-hf train --example` writes the CPU example "
+        f"({EXAMPLE_CONFIG.name}: the embedded SmolLM2, 24 steps)",
+    )
+    p.add_argument(
+        "--example",
+        nargs="?",
+        const=EXAMPLE_CONFIG.name,
+        metavar="FILE",
+        help=f"write the shipped CPU training config to FILE (default ./{EXAMPLE_CONFIG.name}) and exit; then moba-hf "
+        "train FILE",
+    )
     p.add_argument("--model", help="override [model] name: an embedded name, a local path or a hub id")
     p.add_argument("--out", "--output-dir", dest="output_dir", help="override [train] output_dir (default runs/moba)")
     p.add_argument("--max-steps", type=int, help="override [train] max_steps")
@@ -65,11 +82,29 @@ def load_config(path: str, overrides: list[str] = (), direct: dict[tuple[str, st
     return TrainConfig.from_dict(data)
 
 
-def run(args: argparse.Namespace) -> int:
+def write_example(target: str) -> int:
+    """`--example FILE`: the shipped CPU config, copied to FILE (an existing file is left alone)."""
     from ..cli_args import UsageError
-    from .resume import RunRefused
-    from .trainer import last_checkpoint, train
 
+    path = Path(target).expanduser()
+    if path.exists():
+        raise UsageError(f"--example {target}: the file exists; give another path or remove it")
+    if not path.parent.is_dir():
+        raise UsageError(f"--example {target}: no directory {path.parent}")
+    path.write_text(EXAMPLE_CONFIG.read_text())
+    print(f"wrote {path}; run it with: moba-hf train {target}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..cli_args import UsageError, check_model, check_out
+
+    if args.example is not None:
+        if args.config is not None:
+            raise UsageError(f"--example writes a config and exits: drop the config {args.config}")
+        return write_example(args.example)
+    if args.config is None:
+        raise UsageError("give a training config file (moba-hf train --example writes the CPU example)")
     if args.allow_config_change and not args.resume:
         raise UsageError("--allow-config-change applies to a resume: add --resume")
     try:
@@ -82,8 +117,13 @@ def run(args: argparse.Namespace) -> int:
                 ("train", "max_steps"): args.max_steps,
             },
         )
-    except ValueError as err:
+    except (ValueError, FileNotFoundError) as err:
         raise UsageError(str(err)) from None  # names the key (from the file or --set) or the file
+    check_model(config.model.name, "--model" if args.model else f"{args.config}: [model] name")
+    check_out(config.train.output_dir)
+    from .resume import RunRefused
+    from .trainer import last_checkpoint, train
+
     try:
         result = train(config, resume=args.resume, allow_config_change=args.allow_config_change)
     except RunRefused as err:
