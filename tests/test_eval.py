@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from test_eval_resume import measured
 from transformers import LlamaForCausalLM
 
 from moba_hf import cli
@@ -307,6 +308,7 @@ def test_ppl_command(tiny_dir, tmp_path, mode):
 def test_result_store_refuses_a_changed_setting(tmp_path):
     with ResultStore(tmp_path, "passkey", {"a": 1}, {"name": "m"}) as store:
         store.add_setting(parse_setting("x=moba:top_k=2"))
+        measured(store)
         store.write([], "")
     again = ResultStore(tmp_path, "passkey", {"a": 1}, {"name": "m"})
     again.add_setting(parse_setting("x=moba:top_k=2"))
@@ -317,6 +319,7 @@ def test_result_store_refuses_a_changed_setting(tmp_path):
 def test_result_store_reads_a_setting_written_before_a_field_existed(tmp_path):
     with ResultStore(tmp_path, "passkey", {"a": 1}, {"name": "m"}) as store:
         store.add_setting(parse_setting("x=moba:top_k=2,dense_tail=0"))
+        measured(store)
         store.write([], "")
     run = json.loads((tmp_path / RUN_FILE).read_text())
     del run["settings"]["x"]["moba"]["dense_tail"]  # as an older version wrote it

@@ -127,16 +127,22 @@ def test_file_digests_see_an_overwrite_that_keeps_size_and_mtime(tmp_path, cache
     assert file_digests([path])[path] not in ("cached", first)
 
 
+def measured(store, setting="x"):
+    """One trial of `setting` in `store`: a run that measured something, so a rerun resumes it."""
+    store.add({"key": f"{setting}|length=128", "setting": setting, "length": 128, "correct": True})
+
+
 def test_every_differing_key_is_named(tmp_path):
-    with ResultStore(tmp_path, "passkey", {"a": 1, "b": 2, "c": 3}, {"name": "m"}):
-        pass
+    with ResultStore(tmp_path, "passkey", {"a": 1, "b": 2, "c": 3}, {"name": "m"}) as store:
+        measured(store)
     expected = r'model.name="m", this run has model.name="other" \(also differing: a 1 -> 5, b 2 -> 6\): '
     with pytest.raises(RunMismatch, match=expected):
         ResultStore(tmp_path, "passkey", {"a": 5, "b": 6, "c": 3}, {"name": "other"})
 
 
 def test_another_task_is_refused_even_on_request(tmp_path):
-    ResultStore(tmp_path, "niah", {}, {"name": "m"}).close()
+    with ResultStore(tmp_path, "niah", {}, {"name": "m"}) as store:
+        measured(store)
     with pytest.raises(RunMismatch, match="holds a niah run, this is a passkey run: use a new --out"):
         ResultStore(tmp_path, "passkey", {}, {"name": "m"}, allow_changed=True)
 
@@ -144,6 +150,7 @@ def test_another_task_is_refused_even_on_request(tmp_path):
 def test_a_redefined_setting_is_allowed_on_request_and_recorded(tmp_path):
     with ResultStore(tmp_path, "passkey", {}, {"name": "m"}) as store:
         store.add_setting(parse_setting("x=moba:top_k=2"))
+        measured(store)
     with ResultStore(tmp_path, "passkey", {}, {"name": "m"}) as store, pytest.raises(RunMismatch, match="top_k"):
         store.add_setting(parse_setting("x=moba:top_k=3"))
     with ResultStore(tmp_path, "passkey", {}, {"name": "m"}, allow_changed=True) as store:
@@ -151,6 +158,34 @@ def test_a_redefined_setting_is_allowed_on_request_and_recorded(tmp_path):
     run = json.loads((tmp_path / RUN_FILE).read_text())
     assert run["settings"]["x"]["moba"]["top_k"] == 3
     assert run["changes"][0]["differences"] == {"settings.x.moba.top_k": {"was": 2, "now": 3}}
+
+
+def test_a_run_that_stopped_before_its_first_trial_blocks_no_rerun(tmp_path):
+    """Nothing was measured: other parameters, another task or a redefined setting simply start the run anew."""
+    with ResultStore(tmp_path, "passkey", {"a": 1}, {"name": "m"}) as store:
+        store.add_setting(parse_setting("x=moba:top_k=2"))
+    with ResultStore(tmp_path, "niah", {"a": 2}, {"name": "other"}) as store:
+        store.add_setting(parse_setting("x=moba:top_k=3"))
+        measured(store)
+    run = json.loads((tmp_path / RUN_FILE).read_text())
+    assert run["task"] == "niah" and run["params"] == {"a": 2} and run["settings"]["x"]["moba"]["top_k"] == 3
+    assert "changes" not in run
+    with ResultStore(tmp_path, "niah", {"a": 2}, {"name": "other"}) as store:  # a setting never measured
+        store.add_setting(parse_setting("y=moba:top_k=2"))
+    with ResultStore(tmp_path, "niah", {"a": 2}, {"name": "other"}) as store:
+        store.add_setting(parse_setting("y=moba:top_k=4"))
+        with pytest.raises(RunMismatch, match="top_k"):
+            store.add_setting(parse_setting("x=moba:top_k=2"))
+
+
+def test_a_setting_that_failed_before_its_first_trial_can_be_corrected_into_the_same_out(tiny_dir, tmp_path):
+    """The command: a setting valid on paper that fails at run time leaves run.json, which the rerun replaces."""
+    out = tmp_path / "run"
+    base = ["eval", "passkey", "--model", str(tiny_dir), "--lengths", "128", "--trials", "1", "--device", "cpu"]
+    assert cli.main([*base, "--attn", "x=moba:full_attn_layer_ids=[7]", "--out", str(out)]) == 1  # every setting failed
+    assert not (out / TRIALS_FILE).exists() or not (out / TRIALS_FILE).read_text().strip()
+    assert cli.main([*base, "--attn", "x=moba:block_size=32,top_k=2", "--out", str(out)]) == 0
+    assert json.loads((out / RUN_FILE).read_text())["settings"]["x"]["moba"]["block_size"] == 32
 
 
 # --- damaged run.json and trials.jsonl ----------------------------------------------------------------------

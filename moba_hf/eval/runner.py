@@ -3,7 +3,8 @@
 Output directory layout (one per run; re-running with the same directory resumes):
 
     run.json       task, parameters, model (with its weights' fingerprint) and settings, written before the
-                   first trial and checked on resume; "changes" lists resumes run with --allow-changed
+                   first trial and checked on resume once a trial is stored (before that a rerun replaces it);
+                   "changes" lists resumes run with --allow-changed
     trials.jsonl   one line per finished trial, appended as it finishes (crash-safe, read back on resume)
     results.json   model, versions, task parameters, settings, failures, warnings and every trial
     summary.md     the Markdown summary table (warnings under it)
@@ -386,8 +387,9 @@ class ResultStore:
     """Trials of one run in `out_dir`; finished trials are read back so a re-run skips them.
 
     run.json (task, parameters, model with its weights' fingerprint, and every setting's full definition) is
-    written before the first trial and checked on every later run: a re-run with other parameters, another
-    model (other weights under the same path included) or a redefined setting name raises RunMismatch naming
+    written before the first trial and checked on every later run that finds a trial stored (a run that
+    measured nothing blocks nothing; a setting never measured may be redefined): a re-run with other parameters,
+    another model (other weights under the same path included) or a redefined setting name raises RunMismatch naming
     every differing key, instead of mixing two experiments. `allow_changed=True` (`--allow-changed`) resumes
     anyway (another task never) and appends the differences to run.json's "changes" (and results.json's),
     and every later summary says its trials are mixed. trials.jsonl is
@@ -434,13 +436,16 @@ class ResultStore:
             self.model["weights"] = weights_fingerprint(weights)
         run = self.out_dir / RUN_FILE
         diffs = []
-        if run.is_file():
-            diffs = self._check(_read_run(run))
-        elif (self.out_dir / TRIALS_FILE).exists() or (self.out_dir / RESULTS_FILE).exists():
+        if not run.is_file() and ((self.out_dir / TRIALS_FILE).exists() or (self.out_dir / RESULTS_FILE).exists()):
             raise RunMismatch(
                 f"{self.out_dir} holds results without {RUN_FILE}, so their parameters are unknown: use a new --out"
             )
+        old = _read_run(run) if run.is_file() else None
         self._read_trials()
+        if old is not None and self.trials:
+            diffs = self._check(old)
+        elif old is not None:  # a run that stopped before its first trial measured nothing: no run to resume
+            logger.info("moba_hf eval: %s holds no trial yet; its %s is replaced by this run's", self.out_dir, RUN_FILE)
         if diffs:
             self._record_change(diffs)
         elif self.changes:  # resumed with differences before: every later summary says its trials are mixed
@@ -549,6 +554,8 @@ class ResultStore:
     def add_setting(self, setting: Setting) -> None:
         described = _jsonable(setting.describe())
         old = self.settings.get(setting.name)
+        if old is not None and not any(r["setting"] == setting.name for r in self.trials.values()):
+            old = None  # defined before, never measured: nothing to keep apart from this definition
         if old is not None and isinstance(old.get("moba"), dict):
             try:  # written before a MobaConfig field existed: the field's default is what that run used
                 old = {**old, "moba": _jsonable(MobaConfig.from_dict(old["moba"]).to_dict())}
