@@ -326,11 +326,12 @@ def _get_settings(model_config: Any) -> Any:
 
 
 def _set_settings(model_config: Any, value: Any) -> None:
-    if value is not None:
-        try:
-            value = MobaConfig.from_spec(value).to_dict()
-        except ValueError as err:
-            raise ValueError(f"moba_config: {err}") from None
+    try:
+        value = None if value is None else MobaConfig.from_spec(value).to_dict()
+    except ValueError:
+        # kept as given: transformers' and vLLM's config loaders set it before moba_hf's checks run, and those
+        # refuse it naming where it came from (the first forward, `apply`, the vLLM plugin's setup error)
+        pass
     vars(model_config)["moba_config"] = value
 
 
@@ -346,9 +347,10 @@ MODEL_CONFIG_FIELD = property(
     _set_settings,
     _del_settings,
     doc="""The MoBA settings a transformers model config carries: a plain dict of every MobaConfig field, or None.
-    A MobaConfig, a mapping, a preset name or a file set here is resolved (and checked) at once and stored as its
-    values, so `print(config)` and `save_pretrained` write the settings themselves: a saved checkpoint keeps its
-    attention when a preset changes later. `MobaConfig.from_dict(config.moba_config)` gives the MobaConfig.""",
+    A MobaConfig, a mapping, a preset name or a file set here is resolved at once and stored as its values, so
+    `print(config)` and `save_pretrained` write the settings themselves: a saved checkpoint keeps its attention
+    when a preset changes later. `MobaConfig.from_dict(config.moba_config)` gives the MobaConfig. A value that
+    does not resolve is kept as given, for the checks of whoever runs the model to refuse by name.""",
 )
 
 

@@ -284,13 +284,19 @@ def tiny_model_from(checkpoint, cfg):
     return moba_hf.apply(model, cfg)
 
 
-def test_a_bad_moba_config_is_refused_when_it_is_set(checkpoint):
-    with pytest.raises(ValueError, match="moba_config: MoBA config 'no-such-preset' is neither a preset"):
-        AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="moba", moba_config="no-such-preset")
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="moba", moba_config="paper-8k")
-    with pytest.raises(ValueError, match="moba_config: top_k must be an integer >= 1, got 0"):
-        model.config.moba_config = {"top_k": 0}
-    assert model.config.moba_config == MobaConfig.preset("paper-8k").to_dict()  # unchanged by the refusal
+def test_a_bad_moba_config_is_kept_for_the_checks_to_refuse(checkpoint):
+    """transformers' and vLLM's config loaders set moba_config before moba_hf's checks run: a value that does not
+    resolve is kept as given, and the first forward (vLLM: the plugin's setup) refuses it by name."""
+    ids = torch.randint(0, 97, (1, 12))
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="moba", moba_config="no-such-preset")
+    assert model.config.moba_config == "no-such-preset"
+    with pytest.raises(ValueError, match="MoBA config 'no-such-preset' is neither a preset"):
+        _logits(model, ids)
+    model.config.moba_config = {"top_k": 0}
+    with pytest.raises(ValueError, match="top_k must be an integer >= 1, got 0"):
+        _logits(model, ids)
+    with pytest.raises(ValueError, match="top_k must be an integer >= 1, got 0"):
+        moba_hf.apply(model)
 
 
 CHANGED_PRESET = """[about]
