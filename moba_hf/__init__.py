@@ -58,11 +58,13 @@ _CONFIG_FIELD = "moba_config"
 
 
 def _add_config_field(module: Any) -> None:
-    """Class default None: instances without a moba_config read None, and from_pretrained / AutoConfig keep the
-    `moba_config=` keyword in the config instead of handing it to the model's __init__."""
+    """`moba_config` on every model config (`moba_hf.config.MODEL_CONFIG_FIELD`): instances without one read None,
+    from_pretrained / AutoConfig keep the `moba_config=` keyword in the config instead of handing it to the
+    model's __init__, and whatever is set there is stored as its resolved settings."""
+    field = importlib.import_module("moba_hf.config").MODEL_CONFIG_FIELD
     config_cls = module.PreTrainedConfig
-    if not hasattr(config_cls, _CONFIG_FIELD):
-        setattr(config_cls, _CONFIG_FIELD, None)
+    if vars(config_cls).get(_CONFIG_FIELD) is not field:
+        setattr(config_cls, _CONFIG_FIELD, field)
 
 
 def _register(module: Any = None) -> None:

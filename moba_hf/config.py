@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -25,21 +26,29 @@ from .options import (
     BUILTIN_BACKENDS,
     POOLINGS,
     check_budget_options,
+    check_count,
     check_top_p,
     file_bool,
     file_int,
     kv_cache_dtype,
+    plain_number,
 )
 
 if TYPE_CHECKING:
     from .kernels.selection import GateOptions
 
+logger = logging.getLogger("moba_hf")
+
 DECODE_MODES = ("moba", "full")
+# the fields that take a number (numpy scalars among them are stored as the Python number they equal)
+_NUMBER_FIELDS = (
+    "block_size", "top_k", "full_attn_layers", "decode_top_k", "sink_blocks", "local_blocks", "top_p", "min_top_k",
+    "dense_tail",
+)  # fmt: skip
 
 
 def _check_int(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    check_count(name, value, low)
 
 
 def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
@@ -109,6 +118,8 @@ class MobaConfig:
     dca: DcaConfig | bool | None = None
 
     def __post_init__(self) -> None:
+        for name in _NUMBER_FIELDS:  # numpy scalars as Python numbers: the config goes to JSON (config.json)
+            object.__setattr__(self, name, plain_number(getattr(self, name)))
         _check_int("block_size", self.block_size, 1)
         _check_int("top_k", self.top_k, 1)
         _check_int("full_attn_layers", self.full_attn_layers, 0)
@@ -146,6 +157,7 @@ class MobaConfig:
             ids = self.full_attn_layer_ids
             if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
                 raise ValueError(f"full_attn_layer_ids must be a list of integers, got {ids!r}")
+            ids = [plain_number(i) for i in ids]
             for i in ids:
                 if isinstance(i, bool) or not isinstance(i, int):
                     raise ValueError(f"full_attn_layer_ids must be a list of integers, got {ids!r}")
@@ -247,19 +259,20 @@ class MobaConfig:
         settings = read_config(data)
         if settings.serving:
             raise ValueError(
-                f"{', '.join(f'{k}={v!r}' for k, v in settings.serving.items())}: serving options, not MoBA "
-                "settings; the vLLM plugin takes them from the same file (MOBA_HF_CONFIG), or remove them"
+                f"{_listed(settings.serving)}: serving options, not MoBA settings; the vLLM plugin takes them from "
+                "a server file (MOBA_HF_CONFIG), which MobaConfig.from_file reads too, or remove them"
             )
         return settings.moba
 
     @classmethod
     def from_file(cls, path: str | Path) -> MobaConfig:
-        """Load from a .toml, .json or .yaml/.yml file (settings at top level or under a `moba` table)."""
-        data = load_mapping(path)
-        try:
-            return cls.from_dict(data)
-        except ValueError as err:
-            raise ValueError(f"{path}: {err}") from None
+        """Load from a .toml, .json or .yaml/.yml file (settings at top level or under a `moba` table). A server
+        file's serving options (`kv_cache_dtype`, `max_context_tokens`) are the server's: they are checked, left
+        out of the MobaConfig and logged once per file (`read_config_file` returns them)."""
+        settings = read_config_file(path)
+        if settings.serving:
+            _tell_serving_options(str(Path(path).resolve()), _listed(settings.serving))
+        return settings.moba
 
     @classmethod
     def preset(cls, name: str) -> MobaConfig:
@@ -305,6 +318,55 @@ class MobaConfig:
             if f.name not in ("block_size", "top_k") and getattr(self, f.name) != getattr(default, f.name):
                 parts.append(f"{f.name}={getattr(self, f.name)}")
         return f"MobaConfig({', '.join(parts)})"
+
+
+# --- `moba_config` in a model's config ---------------------------------------------------------------------------
+def _get_settings(model_config: Any) -> Any:
+    return vars(model_config).get("moba_config")
+
+
+def _set_settings(model_config: Any, value: Any) -> None:
+    try:
+        value = None if value is None else MobaConfig.from_spec(value).to_dict()
+    except ValueError:
+        # kept as given: transformers' and vLLM's config loaders set it before moba_hf's checks run, and those
+        # refuse it naming where it came from (the first forward, `apply`, the vLLM plugin's setup error)
+        pass
+    vars(model_config)["moba_config"] = value
+
+
+def _del_settings(model_config: Any) -> None:
+    try:
+        del vars(model_config)["moba_config"]
+    except KeyError:
+        raise AttributeError("moba_config") from None
+
+
+MODEL_CONFIG_FIELD = property(
+    _get_settings,
+    _set_settings,
+    _del_settings,
+    doc="""The MoBA settings a transformers model config carries: a plain dict of every MobaConfig field, or None.
+    A MobaConfig, a mapping, a preset name or a file set here is resolved at once and stored as its values, so
+    `print(config)` and `save_pretrained` write the settings themselves: a saved checkpoint keeps its attention
+    when a preset changes later. `MobaConfig.from_dict(config.moba_config)` gives the MobaConfig. A value that
+    does not resolve is kept as given, for the checks of whoever runs the model to refuse by name.""",
+)
+
+
+def _listed(options: Mapping[str, Any]) -> str:
+    return ", ".join(f"{key}={value!r}" for key, value in options.items())
+
+
+@functools.lru_cache(maxsize=256)  # once per file and options: from_file may run for every model loaded
+def _tell_serving_options(path: str, options: str) -> None:
+    logger.warning(
+        "moba_hf: %s also holds %s: serving options for the vLLM plugin (MOBA_HF_CONFIG=%s), which a MobaConfig "
+        "does not carry; MobaConfig.from_file returns the MoBA settings only (read_config_file returns both)",
+        path,
+        options,
+        path,
+    )
 
 
 class _Unreadable(ValueError):
@@ -396,7 +458,12 @@ def load_mapping(path: str | Path) -> dict[str, Any]:
     if suffix not in (".toml", ".json", ".yaml", ".yml"):
         raise ValueError(f"config file {path} must end in .toml, .json, .yaml or .yml, got {suffix!r}")
     kind = {".toml": "TOML", ".json": "JSON"}.get(suffix, "YAML")
-    text = _read_text(path)
+    try:
+        text = _read_text(path)
+    except OSError as err:  # a file that exists but cannot be read (permissions, a device error)
+        raise ValueError(
+            f"config file {path} cannot be read: {err.strerror or err}; make it readable to this process"
+        ) from None
     try:
         if suffix == ".toml":
             data = tomllib.loads(text)
@@ -520,6 +587,22 @@ def _attention_entries(table: Any) -> tuple[dict[str, tuple[str, Any]], list[str
     return entries, unknown
 
 
+def _no_settings(table: str | None, about: Mapping[str, str], entries: Mapping[str, Any]) -> str:
+    """The refusal of a config that names no MoBA setting (it would run the defaults without a word)."""
+    where = f"the [{table}] table" if table is not None else "the config"
+    if entries:
+        what = f"{where} holds only serving options ({', '.join(sorted(entries))})"
+    elif table is not None:
+        what = f"{where} is empty"
+    else:
+        what = f"{where} holds only an [about] description" if about else f"{where} holds no settings"
+    return (
+        f"{what}: no MoBA setting, so the defaults ({MobaConfig()}) would run without a word; give the settings "
+        "(block_size, top_k, ...; `moba-hf presets NAME` prints a complete file), e.g. block_size = 512 and "
+        "top_k = 3 for the defaults"
+    )
+
+
 def _valid_keys() -> str:
     fields = sorted(f.name for f in dataclasses.fields(MobaConfig))
     seed = sorted((*ALIASES, *ALWAYS_TRUE, *SERVING_KEYS, *SEED_KEYS))
@@ -541,7 +624,7 @@ def _integer(written: str, value: Any, low: int | None = None) -> int:
 
 def _field_value(field: dataclasses.Field, written: str, value: Any) -> Any:
     """A file's value for a MobaConfig field: integers may come as digit strings, booleans as "true" / "false"."""
-    if field.type == "int":
+    if field.type == "int" or (field.type == "int | None" and value is not None):
         return _integer(written, value)
     if field.type == "bool" or (field.name == "dca" and isinstance(value, str)):
         return file_bool(written, value)
@@ -556,11 +639,14 @@ def read_config(data: Mapping[str, Any]) -> ConfigSettings:
     if not isinstance(data, Mapping):
         raise ValueError(f"a MoBA config must be a table of settings, got {type(data).__name__} {_short(data)}")
     data = dict(data)
+    given_anything = bool(data)  # {}: no changes, the defaults; a table without settings is refused below
     about = _read_about(data.pop("about")) if "about" in data else {}
     entries = {key: (key, value) for key, value in data.items()}
     unknown: list[str] = []
+    used_table = None
     for table in ("moba", "attention"):
         if table in data:
+            used_table = table
             rest = sorted(set(data) - {table})
             if rest:
                 raise ValueError(
@@ -629,6 +715,8 @@ def read_config(data: Mapping[str, Any]) -> ConfigSettings:
         given[target] = (written, raw)
     if unknown:
         raise ValueError(f"unknown MoBA config keys {sorted(unknown)}; valid keys: {_valid_keys()}")
+    if given_anything and set(entries) <= set(SERVING_KEYS):
+        raise ValueError(_no_settings(used_table, about, entries))
     if fallback_enabled and "full_attn_layers" not in fields and "full_attn_layer_ids" not in fields:
         raise ValueError(f"{switch[0]} = true needs fallback_layers (how many last layers are dense)")
     if isinstance(fields.get("pooling"), str) and fields["pooling"] == "avg":

@@ -25,6 +25,42 @@ KV_CACHE_DTYPES = {
 }  # fmt: skip
 
 
+# The largest integer setting (block_size, top_k, sink_blocks, ...; DCA's lengths): 2**62 - 1. The kernels hold
+# positions, block indices and these counts in int64 tensors and add a count to a position or to another count
+# (`current - local_blocks`, DCA's `chunk_size + position % chunk_size`): two values below 2**62 sum below int64's
+# 2**63 - 1, where 2**63 itself wraps to a negative number (a sink block silently dropped, NaN in decoding). Any
+# value at or past the sequence's length acts as that length, so the bound takes nothing a model can use.
+MAX_COUNT = 2**62 - 1
+
+
+def check_count(name: str, value: object, low: int) -> None:
+    """An integer in [low, MAX_COUNT] (a bool is not a count); ValueError naming `name`, the value and the range."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {_short(value)}")
+    if value > MAX_COUNT:
+        raise ValueError(
+            f"{name} must be at most {MAX_COUNT} (2**62 - 1, the largest count the kernels' int64 arithmetic "
+            f"holds; a value past the sequence's length acts as that length), got {_short(value)}"
+        )
+
+
+def plain_number(value: Any) -> Any:
+    """A numpy scalar (or any other `numbers` integer / real that is not Python's own) as the Python int / float it
+    equals, so configs compare, hash and serialize (JSON) as Python numbers; anything else unchanged."""
+    if isinstance(value, (bool, int, float)) and type(value) in (bool, int, float):
+        return value
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def check_top_p(value: object) -> None:
     """`top_p` is None (a fixed top_k budget) or a real number in (0, 1] (NaN fails the comparison; a bool is not
     a share)."""

@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -125,7 +126,7 @@ max_context_tokens = 131072
 """
 
 
-def test_seed_style_server_configs_load(tmp_path):
+def test_seed_style_server_configs_load(tmp_path, caplog):
     from moba_hf.config import read_config_file
 
     (tmp_path / "seed.json").write_text(json.dumps(SEED_JSON))
@@ -136,9 +137,17 @@ def test_seed_style_server_configs_load(tmp_path):
     toml_settings = read_config_file(tmp_path / "seed.toml")
     assert toml_settings.moba == MobaConfig(block_size=4096, top_k=4, full_attn_layers=2)
     assert toml_settings.serving == json_settings.serving
-    # a MobaConfig alone has no place for serving options: refused by name, not dropped
-    with pytest.raises(ValueError, match="seed.json: kv_cache_dtype='bfloat16', max_context_tokens=131072: serving"):
-        MobaConfig.from_file(tmp_path / "seed.json")
+    # a MobaConfig has no place for serving options: from_file returns the MoBA settings of the server file and
+    # says once per file that the serving options are the server's; a mapping with them is refused by name
+    with caplog.at_level(logging.WARNING, logger="moba_hf"):
+        for _ in range(2):
+            assert MobaConfig.from_file(tmp_path / "seed.json") == json_settings.moba
+        assert MobaConfig.from_file(tmp_path / "seed.toml") == toml_settings.moba
+    told = [r.getMessage() for r in caplog.records if "serving options" in r.getMessage()]
+    assert len(told) == 2 and "seed.json also holds kv_cache_dtype='bfloat16', max_context_tokens=131072" in told[0]
+    assert "MOBA_HF_CONFIG=" in told[0] and "seed.toml" in told[1]
+    with pytest.raises(ValueError, match="kv_cache_dtype='bfloat16', max_context_tokens=131072: serving options"):
+        MobaConfig.from_dict(SEED_JSON)
     # the reference MoBA code's names
     assert MobaConfig.from_dict({"moba_chunk_size": 256, "moba_topk": 2}) == MobaConfig(block_size=256, top_k=2)
 
@@ -302,7 +311,7 @@ def test_values_that_are_not_numbers_are_refused_by_key(data, match):
 def test_kv_cache_dtype_spellings_are_one_dtype(spelling, name):
     from moba_hf.config import read_config
 
-    assert read_config({"kv_cache_dtype": spelling}).serving == {"kv_cache_dtype": name}
+    assert read_config({"block_size": 64, "kv_cache_dtype": spelling}).serving == {"kv_cache_dtype": name}
 
 
 def test_kv_cache_dtype_refusal_lists_the_spellings(tmp_path):

@@ -20,7 +20,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ..options import file_bool, file_int
+from ..options import MAX_COUNT, file_bool, file_int, plain_number
 
 
 def _check_optional_int(name: str, value: Any, low: int) -> None:
@@ -28,6 +28,11 @@ def _check_optional_int(name: str, value: Any, low: int) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an integer >= {low} (or None for the default), got {value!r}")
+    if value > MAX_COUNT:
+        raise ValueError(
+            f"{name} must be at most {MAX_COUNT} (2**62 - 1, the largest length the kernels' int64 arithmetic "
+            f"holds), got {value!r}"
+        )
 
 
 def check_chunk(pretraining_length: int, chunk_size: int) -> None:
@@ -66,6 +71,8 @@ class DcaConfig:
     temperature: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("pretraining_length", "chunk_size", "local_window"):  # numpy scalars as Python ints (JSON)
+            object.__setattr__(self, name, plain_number(getattr(self, name)))
         _check_optional_int("pretraining_length", self.pretraining_length, 2)
         _check_optional_int("chunk_size", self.chunk_size, 1)
         _check_optional_int("local_window", self.local_window, 1)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .. import logs
+from ..config import MODEL_CONFIG_FIELD
 from .attention import moba_attention_forward
 from .layout import check_attention_mask, forward_layout
 
@@ -48,14 +49,15 @@ def moba_mask(
 def register() -> None:
     """Register "moba" with `AttentionInterface` and `AttentionMaskInterface` (idempotent), and make
     `moba_config` a known config field, so `from_pretrained(path, attn_implementation="moba",
-    moba_config="training-free")` lands in `model.config` like any other config keyword."""
+    moba_config="training-free")` lands in `model.config` like any other config keyword, as the preset's settings
+    (`moba_hf.config.MODEL_CONFIG_FIELD`)."""
     from transformers import AttentionInterface, PreTrainedConfig, PreTrainedModel
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, moba_attention_forward)
     AttentionMaskInterface.register(NAME, moba_mask)
-    if not hasattr(PreTrainedConfig, CONFIG_FIELD):
-        setattr(PreTrainedConfig, CONFIG_FIELD, None)  # class default: instances without one read None
+    if vars(PreTrainedConfig).get(CONFIG_FIELD) is not MODEL_CONFIG_FIELD:  # None where unset; resolved when set
+        setattr(PreTrainedConfig, CONFIG_FIELD, MODEL_CONFIG_FIELD)
     check = getattr(PreTrainedModel, "_check_and_adjust_attn_implementation", None)
     if check is not None and not getattr(check, "_moba_wrapped", False):
         PreTrainedModel._check_and_adjust_attn_implementation = _tell_when_dense(check)

@@ -8,10 +8,7 @@ import os
 
 import torch
 
-
-def check_count(name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+from ..options import check_count  # noqa: F401 - the kernels' count check, shared with MobaConfig
 
 
 def check_moba_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: int, top_k: int) -> None:

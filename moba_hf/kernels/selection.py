@@ -60,8 +60,9 @@ class GateOptions:
         check_budget_options(self.top_p, self.min_top_k)
 
     def check_top_k(self, top_k: int) -> None:
-        """ValueError unless min_top_k <= top_k (top_k itself is checked with the other MoBA arguments)."""
-        if self.min_top_k > 1 and self.min_top_k > top_k:  # 1 is within any valid top_k; a bad top_k is named later
+        """ValueError unless top_k is a count (named here: the comparison below needs one) and min_top_k <= top_k."""
+        check_count("top_k", top_k, 1)
+        if self.min_top_k > top_k:
             raise ValueError(f"min_top_k must be between 1 and top_k ({top_k}), got {self.min_top_k}")
 
     def reaches_back(self, top_k: int) -> bool:

@@ -74,7 +74,7 @@ def query_parts(nq: int, nk: int, block_size: int, workers: int, top_k: int | No
     work = None
     if top_k is not None and count > 1:
         position = torch.arange(start, nk, dtype=torch.float64)
-        keys = (position + 1).clamp_(max=top_k * block_size)
+        keys = (position + 1).clamp_(max=min(top_k * block_size, nk))  # a Python int past int64 would overflow
         work = (keys + _GATE_WORK * (position // block_size + 1)).cumsum(0)
     for i in range(1, count):
         cut = round(i * nq / count)
