@@ -177,7 +177,12 @@ class BlockState:
         self.pooled = F.pad(self.pooled, (0, 0, 0, grow))
 
     def append(self, keys: torch.Tensor, real: torch.Tensor | None) -> None:
-        """Add new cache tokens keys [B, Hkv, T, D]; real [B, T] bool marks non-pad tokens (None: all real)."""
+        """Add new cache tokens keys [B, Hkv, T, D]; real [B, T] bool marks non-pad tokens (None: all real).
+
+        The statistics are kept without autograd history: the gate only selects blocks (no gradient flows
+        through the selection, as in the prefill kernels), and the in-place updates of a decode step could not
+        be differentiated."""
+        keys = keys.detach()
         t = keys.shape[2]
         if t == 0:
             return
