@@ -128,6 +128,8 @@ def resolved_config(module: torch.nn.Module) -> ResolvedConfig:
     return _latest
 
 
+# under torch.compile each call runs eagerly (a graph break per layer): the per-sequence work is Python (see docs)
+@torch.compiler.disable
 def moba_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
