@@ -28,6 +28,11 @@ from collections.abc import Callable
 import torch
 
 
+def _traced() -> bool:
+    """Whether torch.compile is tracing this call (then no branch may depend on tensor values)."""
+    return torch.compiler.is_compiling()
+
+
 def check_attention_mask(attention_mask: torch.Tensor, batch_size: int, key_length: int) -> None:
     """Refuse a 2-D attention_mask that is not one row per batch row and one column per key (the cached keys
     included): a shorter or longer mask would mark the wrong keys as padding, a single row would hide the others'."""
@@ -44,7 +49,7 @@ def padding_mask_2d(attention_mask: torch.Tensor | None, kv_length: int, kv_offs
     if attention_mask is None:
         return None
     mask = attention_mask.to(torch.bool)[:, kv_offset : kv_offset + kv_length]
-    if torch.compiler.is_compiling():  # traced: no data-dependent branch (see the module docstring)
+    if _traced():  # no data-dependent branch (see the module docstring)
         return mask
     return None if bool(mask.all()) else mask
 
@@ -72,7 +77,7 @@ def packed_documents(
     with torch.no_grad():
         sees_previous = torch.as_tensor(mask_function(rows, torch.zeros_like(rows), i, i - 1), device=device)
     starts = ~sees_previous.to(torch.bool).expand(batch_size, kv_length - 1)
-    if not torch.compiler.is_compiling() and not bool(starts.any()):  # traced: the ids, even when all 0
+    if not _traced() and not bool(starts.any()):  # traced: the ids, even when all 0
         return None
     return torch.nn.functional.pad(starts.to(torch.long).cumsum(dim=-1), (1, 0))
 
