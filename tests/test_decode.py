@@ -552,3 +552,37 @@ def test_mask_function_accepts_cache_position_style_calls():
     assert moba_mask(batch_size=1, cache_position=torch.arange(5, 6), kv_length=6) is None
     with pytest.raises(ValueError, match="StaticCache"):
         moba_mask(batch_size=1, cache_position=torch.arange(5, 6), kv_length=32)  # a pre-allocated cache
+
+
+def test_cached_decoding_under_autograd_equals_no_grad_and_the_full_forward(monkeypatch):
+    """decode = "moba" with autograd on (a manual decode loop without torch.no_grad, or a model trained through
+    its cached steps): every step gives the no-grad loop's logits and the full forward's, and the gradients of the
+    last step's logits are the full forward's (the gate selects without a gradient, on both paths)."""
+    spy = Spy(monkeypatch)
+    torch.manual_seed(0)
+    model = tiny_model("llama", GREEDY)
+    ids = torch.randint(0, 97, (1, 10))
+    steps = torch.randint(0, 97, (1, 8))  # caches of 11 .. 18 tokens: 3 .. 5 blocks, top_k = 2 of them
+
+    def decode_loop():
+        out = model(ids, use_cache=True)
+        logits = []
+        for i in range(steps.shape[1]):
+            out = model(steps[:, i : i + 1], past_key_values=out.past_key_values, use_cache=True)
+            logits.append(out.logits[:, -1])
+        return torch.stack(logits, dim=1)
+
+    with torch.no_grad():
+        want = decode_loop()
+    got = decode_loop()
+    assert got.requires_grad
+    assert spy.decodes == 2 * steps.shape[1] * model.config.num_hidden_layers  # every step sparse, both loops
+    torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)  # the same operations on the same values
+    full = model(torch.cat([ids, steps], dim=1)).logits[:, ids.shape[1] :]
+    torch.testing.assert_close(got.detach(), full.detach(), rtol=0, atol=MODEL_TOL)
+    params = [p for p in model.parameters() if p.requires_grad]
+    cached_grads = torch.autograd.grad(got[:, -1].sum(), params)
+    full_grads = torch.autograd.grad(full[:, -1].sum(), params)
+    for cached, whole in zip(cached_grads, full_grads, strict=True):
+        torch.testing.assert_close(cached, whole, rtol=0, atol=MODEL_TOL * max(1.0, float(whole.abs().max())))
+    assert any(float(g.abs().max()) > 0 for g in cached_grads[:-1])

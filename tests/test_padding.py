@@ -69,6 +69,35 @@ def test_forward_layout_reads_transformers_packing_decision():
     assert sequence_spans(None, 3, 1, 9) is None
 
 
+@pytest.mark.parametrize("case", ["all_real_mask", "one_document_rows", "padded", "packed"])
+def test_a_traced_layout_computes_as_the_eager_one(case, monkeypatch, one_thread):
+    """Under torch.compile the mask function hands the mask or the document ids on whole, even where they split
+    nothing (no branch on tensor values); the attention call then treats them as no layout: the same logits."""
+    from moba_hf.integration import layout
+
+    model = tiny_models.tiny_model("llama", MobaConfig(block_size=4, top_k=2))
+    ids = torch.randint(0, 97, (2, 20))
+    if case in ("all_real_mask", "padded"):
+        mask = torch.ones_like(ids)
+        if case == "padded":
+            mask[0, :7] = 0
+        kwargs = {"attention_mask": mask}
+    else:  # no mask and no cache: transformers' packing rule reads position_ids
+        positions = torch.arange(20).expand(2, -1)
+        if case == "packed":
+            positions = torch.cat([torch.arange(12), torch.arange(8)]).expand(2, -1)
+        kwargs = {"position_ids": positions, "use_cache": False}
+    with torch.no_grad():
+        want = model(ids, **kwargs).logits
+        monkeypatch.setattr(layout, "_traced", lambda: True)
+        assert torch.equal(model(ids, **kwargs).logits, want)
+    if case in ("all_real_mask", "one_document_rows"):  # handed on whole, then read as no layout: the batched path
+        from transformers.masking_utils import causal_mask_function
+
+        traced = layout.forward_layout(kwargs.get("attention_mask"), causal_mask_function, 2, 20, 20)
+        assert traced is not None and layout.sequence_spans(traced, 2, 20, 20) is None
+
+
 @pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no_cache"])
 @pytest.mark.parametrize("width", [10, 15, "one_row"])
 def test_attention_mask_of_the_wrong_shape_is_refused(width, use_cache):

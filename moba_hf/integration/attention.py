@@ -128,6 +128,8 @@ def _resolve(model_config: Any) -> ResolvedConfig:
     return ResolvedConfig(weakref.ref(model_config), snapshot, config, full_layers, dca)
 
 
+# under torch.compile each call runs eagerly (a graph break per layer): the per-sequence work is Python (see docs)
+@torch.compiler.disable
 def moba_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,

@@ -56,7 +56,9 @@ def _layer_keys(cache: Any, layer_idx: int | None) -> torch.Tensor | None:
     return keys if isinstance(keys, torch.Tensor) else None
 
 
-# The hooks run twice per layer and token, so they do no more than set the layer's `call`.
+# The hooks run twice per layer and token, so they do no more than set the layer's `call`. Under torch.compile
+# they run eagerly: whether the block state is in step is a fact of each call (tensor identity), never of a trace.
+@torch.compiler.disable
 def _pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     layer_state = state.of_layer(module)
     cache = _find_cache(args, kwargs)
@@ -75,6 +77,7 @@ def _pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     layer_state.call = (weakref.ref(cache), in_step and block_state.n == keys.shape[2])
 
 
+@torch.compiler.disable
 def _post_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     layer_state = state.layer_if_any(module)
     if layer_state is not None:
@@ -177,7 +180,12 @@ class BlockState:
         self.pooled = F.pad(self.pooled, (0, 0, 0, grow))
 
     def append(self, keys: torch.Tensor, real: torch.Tensor | None) -> None:
-        """Add new cache tokens keys [B, Hkv, T, D]; real [B, T] bool marks non-pad tokens (None: all real)."""
+        """Add new cache tokens keys [B, Hkv, T, D]; real [B, T] bool marks non-pad tokens (None: all real).
+
+        The statistics are kept without autograd history: the gate only selects blocks (no gradient flows
+        through the selection, as in the prefill kernels), and the in-place updates of a decode step could not
+        be differentiated."""
+        keys = keys.detach()
         t = keys.shape[2]
         if t == 0:
             return

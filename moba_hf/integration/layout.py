@@ -15,6 +15,10 @@ Packing rule (transformers' own): a row is packed only where transformers' mask 
 no `attention_mask` and no cache. With an attention mask or a cache (also an empty one: `model(...)` in eval mode
 creates a DynamicCache), position ids with gaps or strides are just positions, and attention is causal over the
 whole row. The layout reads that decision from the mask function transformers built, so the two never disagree.
+
+Under torch.compile the mask function is traced into the graph: it then skips the data-dependent shortcut (an
+all-real mask or a row of one document becomes None) and hands the mask or the ids on as they are; `sequence_spans`,
+which runs eagerly in the attention call, treats a layout that splits nothing as None, so every path computes the same.
 """
 
 from __future__ import annotations
@@ -22,6 +26,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+
+def _traced() -> bool:
+    """Whether torch.compile is tracing this call (then no branch may depend on tensor values)."""
+    return torch.compiler.is_compiling()
 
 
 def check_attention_mask(attention_mask: torch.Tensor, batch_size: int, key_length: int) -> None:
@@ -40,6 +49,8 @@ def padding_mask_2d(attention_mask: torch.Tensor | None, kv_length: int, kv_offs
     if attention_mask is None:
         return None
     mask = attention_mask.to(torch.bool)[:, kv_offset : kv_offset + kv_length]
+    if _traced():  # no data-dependent branch (see the module docstring)
+        return mask
     return None if bool(mask.all()) else mask
 
 
@@ -66,7 +77,7 @@ def packed_documents(
     with torch.no_grad():
         sees_previous = torch.as_tensor(mask_function(rows, torch.zeros_like(rows), i, i - 1), device=device)
     starts = ~sees_previous.to(torch.bool).expand(batch_size, kv_length - 1)
-    if not bool(starts.any()):
+    if not _traced() and not bool(starts.any()):  # traced: the ids, even when all 0
         return None
     return torch.nn.functional.pad(starts.to(torch.long).cumsum(dim=-1), (1, 0))
 
@@ -88,6 +99,13 @@ def forward_layout(
     return packed_documents(mask_function, batch_size, q_length, kv_length, kv_offset, device)
 
 
+def _splits(layout: torch.Tensor) -> bool:
+    """Whether a layout splits anything: a pad key, or a row of more than one document."""
+    if layout.dtype == torch.bool:
+        return not bool(layout.all())
+    return bool((layout[:, -1] != layout[:, 0]).any())
+
+
 def sequence_spans(
     layout: torch.Tensor | None,
     batch_size: int,
@@ -101,7 +119,7 @@ def sequence_spans(
     last `q_length` positions. position_ids are not read: whether a row is packed is transformers' decision,
     carried by the layout (a stride or gap in position_ids alone splits nothing).
     """
-    if layout is None:
+    if layout is None or not _splits(layout):
         return None
     positions = torch.arange(kv_length, device=layout.device)
     spans: list[tuple[int, torch.Tensor]] = []

@@ -1,0 +1,117 @@
+"""torch.compile with MoBA (CPU, inductor): a compiled model prefills several lengths and decodes with the eager
+model's results, for the torch backend, a dense tail, padding and decode = "moba" / "full".
+
+`model.compile()` compiles the module in place, so `generate` runs the compiled forward; the attention call and
+the cache hooks run eagerly inside it (graph breaks, see the README's "torch.compile").
+"""
+
+import copy
+
+import pytest
+import torch
+from kernel_cases import rounding_tol
+from tiny_models import TINY, tiny_model
+
+from moba_hf import MobaConfig
+from moba_hf.integration import cache as moba_cache
+
+pytestmark = pytest.mark.slow
+
+CASES = {
+    "moba": MobaConfig(block_size=4, top_k=2),
+    "dense_tail": MobaConfig(block_size=4, top_k=2, dense_tail=5),
+    "decode_full": MobaConfig(block_size=4, top_k=2, decode="full"),
+}
+# transformers computes RoPE's cos / sin in float32 (eager and compiled alike) and inductor's vectorized cos / sin
+# round differently from eager's: the float64 model then differs at float32 rounding, per layer and reduction
+SIZES = (41, TINY["hidden_size"], TINY["intermediate_size"], TINY["vocab_size"])
+TOL = TINY["num_hidden_layers"] * rounding_tol(torch.float32, *SIZES)
+NEW = 10
+
+
+class Calls:
+    """Counts sparse decode steps and block-state builds."""
+
+    def __init__(self, monkeypatch):
+        self.decodes = self.builds = 0
+        real_decode, real_init = moba_cache.core.decode, moba_cache.BlockState.__init__
+
+        def decode(*args, **kwargs):
+            self.decodes += 1
+            return real_decode(*args, **kwargs)
+
+        def init(state, *args, **kwargs):
+            self.builds += 1
+            real_init(state, *args, **kwargs)
+
+        monkeypatch.setattr(moba_cache.core, "decode", decode)
+        monkeypatch.setattr(moba_cache.BlockState, "__init__", init)
+
+
+def _left_padded(lengths: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, width - n :], mask[row, width - n :] = torch.randint(1, 97, (n,)), 1
+    return ids, mask
+
+
+def _generate(model, ids, mask):
+    return model.generate(
+        ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_compiled_model_prefills_several_lengths_and_generates_as_eager(name, one_thread, monkeypatch):
+    torch._dynamo.reset()
+    eager = tiny_model("llama", CASES[name], pad_token_id=0)
+    model = copy.deepcopy(eager)
+    model.compile()
+    calls = Calls(monkeypatch)
+    with torch.no_grad():
+        for n in (20, 27, 33):  # past the second length the shapes are dynamic
+            ids = torch.randint(0, 97, (1, n))
+            torch.testing.assert_close(model(ids).logits, eager(ids).logits, rtol=0, atol=TOL)
+    for lengths in ((13, 20), (1, 24)):  # left padding; a one-token prompt
+        ids, mask = _left_padded(lengths)
+        calls.decodes = calls.builds = 0
+        got = _generate(model, ids, mask)
+        sparse, builds = calls.decodes, calls.builds
+        assert torch.equal(got, _generate(eager, ids, mask))
+        assert (sparse, builds) == (calls.decodes - sparse, calls.builds - builds)  # compiled steps: eager's path
+        if name != "decode_full":  # every step after the first block sparse, the block state built once a layer
+            assert sparse > 0 and builds == TINY["num_hidden_layers"]
+    # bounded: once warm, another prompt length and another padded batch compile nothing new
+    graphs = _graphs()
+    with torch.no_grad():
+        ids = torch.randint(0, 97, (1, 41))
+        torch.testing.assert_close(model(ids).logits, eager(ids).logits, rtol=0, atol=TOL)
+    ids, mask = _left_padded((9, 17))
+    assert torch.equal(_generate(model, ids, mask), _generate(eager, ids, mask))
+    assert _graphs() == graphs
+
+
+def test_compiled_smollm2_training_free_generates_as_eager():
+    """The embedded SmolLM2 with the training-free preset, compiled: two prompt lengths (sparse prefills past the
+    preset's sink, local and 5 gated blocks of 64) generate eager's tokens, in one process."""
+    from moba_hf.models import load
+
+    torch._dynamo.reset()
+    model, tokenizer = load("smollm2", moba="training-free")
+    text = "Here is a list of the planets of the solar system, in order from the sun: Mercury, Venus. " * 40
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    prompts = [ids[:, :520], ids[:, :600]]
+    want = [model.generate(p, max_new_tokens=6, do_sample=False) for p in prompts]
+    model.compile()
+    graphs = _graphs()
+    for prompt, tokens in zip(prompts, want, strict=True):
+        assert torch.equal(model.generate(prompt, max_new_tokens=6, do_sample=False), tokens)
+    assert _graphs() > graphs  # generate ran the compiled forward
