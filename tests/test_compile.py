@@ -10,10 +10,10 @@ import copy
 import pytest
 import torch
 from kernel_cases import rounding_tol
+from test_decode import Spy
 from tiny_models import TINY, tiny_model
 
 from moba_hf import MobaConfig
-from moba_hf.integration import cache as moba_cache
 
 pytestmark = pytest.mark.slow
 
@@ -27,25 +27,6 @@ CASES = {
 SIZES = (41, TINY["hidden_size"], TINY["intermediate_size"], TINY["vocab_size"])
 TOL = TINY["num_hidden_layers"] * rounding_tol(torch.float32, *SIZES)
 NEW = 10
-
-
-class Calls:
-    """Counts sparse decode steps and block-state builds."""
-
-    def __init__(self, monkeypatch):
-        self.decodes = self.builds = 0
-        real_decode, real_init = moba_cache.core.decode, moba_cache.BlockState.__init__
-
-        def decode(*args, **kwargs):
-            self.decodes += 1
-            return real_decode(*args, **kwargs)
-
-        def init(state, *args, **kwargs):
-            self.builds += 1
-            real_init(state, *args, **kwargs)
-
-        monkeypatch.setattr(moba_cache.core, "decode", decode)
-        monkeypatch.setattr(moba_cache.BlockState, "__init__", init)
 
 
 def _left_padded(lengths: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +56,7 @@ def test_compiled_model_prefills_several_lengths_and_generates_as_eager(name, on
     eager = tiny_model("llama", CASES[name], pad_token_id=0)
     model = copy.deepcopy(eager)
     model.compile()
-    calls = Calls(monkeypatch)
+    calls = Spy(monkeypatch)
     with torch.no_grad():
         for n in (20, 27, 33):  # past the second length the shapes are dynamic
             ids = torch.randint(0, 97, (1, n))

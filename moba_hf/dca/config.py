@@ -20,19 +20,12 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ..options import MAX_COUNT, file_bool, file_int, plain_number
+from ..options import check_count, file_bool, file_int, plain_number
 
 
 def _check_optional_int(name: str, value: Any, low: int) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low} (or None for the default), got {value!r}")
-    if value > MAX_COUNT:
-        raise ValueError(
-            f"{name} must be at most {MAX_COUNT} (2**62 - 1, the largest length the kernels' int64 arithmetic "
-            f"holds), got {value!r}"
-        )
+    if value is not None:  # None: the default
+        check_count(name, value, low)
 
 
 def check_chunk(pretraining_length: int, chunk_size: int) -> None:
