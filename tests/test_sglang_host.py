@@ -2,6 +2,7 @@
 (`moba_hf.sglang.pool`) reaching the core and nothing else, and where the server's config comes from
 (`moba_hf.sglang.startup`, on `moba_hf.serving`). The server itself is tested in tests_sglang/ (make test-sglang)."""
 
+import dataclasses
 import types
 
 import pytest
@@ -11,7 +12,7 @@ from test_core import spy
 from moba_hf import MobaConfig, core
 from moba_hf.serving import ENV, MobaSetupError
 from moba_hf.sglang import startup
-from moba_hf.sglang.pool import moba_pool
+from moba_hf.sglang.pool import PoolGateKeys, moba_pool
 
 CONFIG = MobaConfig(block_size=8, top_k=2, decode="moba")
 
@@ -56,6 +57,60 @@ def test_pool_attention_reaches_the_core_and_matches_it(monkeypatch, dense):
         got = output[start : start + nq].transpose(0, 1)[None]
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
         start += nq
+
+
+@pytest.mark.parametrize("pooling", ["mean", "bound"])
+def test_sparse_decode_reads_pooled_keys_kept_beside_the_pool(monkeypatch, pooling):
+    """Prompts prefilled (in two chunks for one), then decode steps over the pooled keys beside the pool: each
+    equals the core's MoBA over the sequence's keys; a second request sharing the first's prefix slots (a
+    radix-cache hit, ending mid-block) and a slot freed and reused by another position read right entries."""
+    config = dataclasses.replace(CONFIG, pooling=pooling)
+    gen = torch.Generator().manual_seed(2)
+    hkv, d, n_slots = 2, 8, 200
+    k_buffer, v_buffer = torch.randn(n_slots, hkv, d, generator=gen), torch.randn(n_slots, hkv, d, generator=gen)
+    req_to_token = torch.zeros(3, 80, dtype=torch.int32)
+    free = torch.randperm(n_slots, generator=gen).tolist()
+    req_to_token[0, :45] = torch.tensor(free[:45])  # request 0: 45 tokens
+    req_to_token[1, :21] = req_to_token[0, :21]  # request 1 shares 21 of them (mid-block: blocks of 8)
+    req_to_token[1, 21:50] = torch.tensor(free[45:74])
+    gate_keys = PoolGateKeys(k_buffer, config.block_size, config.pooling)
+    query = lambda n: torch.randn(n, 4, d, generator=gen)  # noqa: E731
+    pool = (k_buffer, v_buffer, req_to_token)
+
+    def check(rows, seq_lens, new):
+        q = query(sum(new))
+        calls = spy(monkeypatch)
+        got = run_with(q, pool, rows, seq_lens, new, gate_keys, config)
+        monkeypatch.undo()
+        start = 0
+        for row, length, nq in zip(rows, seq_lens, new, strict=True):
+            slots = req_to_token[row, :length].long()
+            k, v = k_buffer[slots].transpose(0, 1)[None], v_buffer[slots].transpose(0, 1)[None]
+            expected = core.attend(q[start : start + nq].transpose(0, 1)[None], k, v, config, None, "moba")
+            torch.testing.assert_close(got[start : start + nq].transpose(0, 1)[None], expected, rtol=0, atol=1e-5)
+            start += nq
+        return calls
+
+    assert check([0], [30], [30]) == [("attend", "moba")]  # request 0's first chunk
+    assert check([0], [44], [14]) == [("attend", "moba")]  # its second chunk
+    assert check([0], [45], [1]) == [("decode", "moba")]
+    assert check([1], [49], [28]) == [("attend", "moba")]  # request 1 after its prefix hit
+    assert check([1, 0], [50, 46], [1, 1]) == [("decode", "moba")] * 2
+    # request 0 ends; its slots 21.. are freed, one of its block ends (position 31) reused at 7, a block end again
+    req_to_token[2, :40] = torch.tensor([*free[74:81], int(req_to_token[0, 31]), *free[81:113]])
+    k_buffer[req_to_token[2, :40].long()] = torch.randn(40, hkv, d, generator=gen)
+    assert check([2], [39], [39]) == [("attend", "moba")]
+    assert check([2, 1], [40, 51], [1, 1]) == [("decode", "moba")] * 2
+
+
+def run_with(query, pool, rows, seq_lens, new, gate_keys, config):
+    k_buffer, v_buffer, req_to_token = pool
+    output = torch.full_like(query, float("nan"))
+    moba_pool(
+        query, output, k_buffer, v_buffer, req_to_token, req_pool_indices=rows, seq_lens=seq_lens, extend_lens=new,
+        config=config, scale=None, gate_keys=gate_keys,
+    )  # fmt: skip
+    return output
 
 
 def model_config(moba_config=None, overrides=None, architectures=("LlamaForCausalLM",), **text):

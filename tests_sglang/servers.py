@@ -26,8 +26,8 @@ STAND_INS = HERE / "stand_ins"
 START_S = 600  # about 90 s on an idle 2-core machine; a busy one takes several times that
 # every server: the CPU engine (without it the worker imports vLLM's rotary embedding), a bounded KV pool
 SERVER_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
-SERVER_ARGS = ["--device", "cpu", "--dtype", "float32", "--disable-cuda-graph", "--max-total-tokens", "20000",
-               "--random-seed", "0", "--log-level", "warning"]  # fmt: skip
+SERVER_ARGS = ["--device", "cpu", "--dtype", "float32", "--disable-cuda-graph", "--random-seed", "0",
+               "--log-level", "warning"]  # fmt: skip
 
 
 @functools.lru_cache(maxsize=1)
@@ -70,9 +70,11 @@ def server_env(extra: dict[str, str | None] | None = None, log_names: Path | Non
     return {k: v for k, v in env.items() if v is not None}
 
 
-def launch_command(*args: str, port: int) -> list[str]:
+def launch_command(*args: str, port: int, max_total_tokens: int = 20000) -> list[str]:
+    """`python -m sglang.launch_server` on the embedded SmolLM2 with SERVER_ARGS, a KV pool of `max_total_tokens`
+    and `args`."""
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path(), "--host", "127.0.0.1",
-            "--port", str(port), *SERVER_ARGS, *args]  # fmt: skip
+            "--port", str(port), *SERVER_ARGS, "--max-total-tokens", str(max_total_tokens), *args]  # fmt: skip
 
 
 def healthy(base: str) -> bool:

@@ -6,6 +6,9 @@ radix-cache hit) or a decode step goes to `core` over its own keys in the pool (
 
     layer dense (full_attn_layers / ids) or sparse = false  ->  SGLang's torch-native attention
     otherwise, every sequence                               ->  core.path / core.attend over its pool slots
+    decode steps with decode = "moba"                       ->  core.decode over the pooled keys kept beside
+                                                                the pool (`pool.PoolGateKeys`, one table per
+                                                                sparse layer), reading the selected blocks only
 
 Without a MoBA config (see `startup`) the backend is SGLang's torch-native backend, unchanged.
 """
@@ -19,7 +22,7 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from .pool import moba_pool
+from .pool import PoolGateKeys, moba_pool
 from .startup import MobaSetupError, Setup
 
 
@@ -33,6 +36,7 @@ class MobaTorchNativeBackend(TorchNativeAttnBackend):
         self.moba = setup.config
         self.dense_layers = setup.dense if setup.config.sparse else None  # None: every layer dense
         self.lists: tuple[list[int], list[int], list[int]] | None = None
+        self.gate_keys: dict[int, tuple[int, PoolGateKeys]] = {}  # layer id -> (its pool's data_ptr, pooled keys)
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
         super().init_forward_metadata(forward_batch)
@@ -61,6 +65,16 @@ class MobaTorchNativeBackend(TorchNativeAttnBackend):
             raise MobaSetupError(f"moba_hf: layer {layer.layer_id} uses sliding-window attention ({window})")
         return True
 
+    def gate_keys_for(self, layer: Any, k_buffer: torch.Tensor) -> PoolGateKeys | None:
+        """The layer's pooled keys beside the pool with decode = "moba" (None otherwise); new for a new pool."""
+        if self.moba.decode != "moba":
+            return None
+        found = self.gate_keys.get(layer.layer_id)
+        if found is None or found[0] != k_buffer.data_ptr():
+            found = (k_buffer.data_ptr(), PoolGateKeys(k_buffer, self.moba.block_size, self.moba.pooling))
+            self.gate_keys[layer.layer_id] = found
+        return found[1]
+
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         if not self.moba_layer(layer):
             return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
@@ -79,10 +93,11 @@ class MobaTorchNativeBackend(TorchNativeAttnBackend):
         q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         o = q.new_empty((q_.shape[0], layer.tp_q_head_num * layer.v_head_dim))
         rows, lens, new = self.lists
+        k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         moba_pool(
             q_,
             o.view(-1, layer.tp_q_head_num, layer.v_head_dim),
-            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            k_buffer,
             self.token_to_kv_pool.get_value_buffer(layer.layer_id),
             self.req_to_token_pool.req_to_token,
             req_pool_indices=rows,
@@ -90,5 +105,6 @@ class MobaTorchNativeBackend(TorchNativeAttnBackend):
             extend_lens=new,
             config=self.moba,
             scale=layer.scaling,
+            gate_keys=self.gate_keys_for(layer, k_buffer),
         )
         return o
