@@ -162,3 +162,15 @@ def test_startup_refusals(monkeypatch):
     with pytest.raises(MobaSetupError, match="Dual Chunk Attention .* is not served by the SGLang plugin"):
         startup.check(ok, MobaConfig(dca=True), {}, "x", torch.float32)
     assert startup.check(ok, MobaConfig(full_attn_layers=1), {}, "x", torch.float32) == frozenset({3})
+
+
+@pytest.mark.parametrize(
+    "device, compiled, message",
+    [("cuda", False, "runs on CPU .* this server runs on 'cuda'"), ("cpu", True, "drop --enable-torch-compile")],
+)
+def test_backend_factory_refuses_what_it_cannot_run(device, compiled, message):
+    from moba_hf.sglang import create_backend
+
+    runner = types.SimpleNamespace(device=device, server_args=types.SimpleNamespace(enable_torch_compile=compiled))
+    with pytest.raises(MobaSetupError, match=message):
+        create_backend(runner)

@@ -9,7 +9,9 @@ SGLang calls `register` in every process it starts (the launcher before it parse
 scheduler, detokenizer and data-parallel workers); it may run more than once. It adds:
 
     ATTENTION_BACKENDS["moba"]          the factory: on CPU `backend.MobaTorchNativeBackend` (SGLang's
-                                        torch-native backend plus MoBA); other devices are refused, named
+                                        torch-native backend plus MoBA); other devices are refused, named, and
+                                        so is --enable-torch-compile (SGLang's CPU graph); CUDA graphs are
+                                        never captured on CPU
     --attention-backend choices         "moba"
     mem_cache.allocation.get_last_loc   SGLang runs a Triton kernel here unless the backend is named
                                         torch_native: for CPU tensors the plugin runs SGLang's own torch version
@@ -35,6 +37,12 @@ def create_backend(model_runner: Any) -> Any:
         raise startup.MobaSetupError(
             f"moba_hf: SGLang's attention backend {NAME!r} runs on CPU (--device cpu, over SGLang's torch-native "
             f"backend); this server runs on {device!r}"
+        )
+    if getattr(model_runner.server_args, "enable_torch_compile", False):
+        # SGLang captures a CPU graph of the forward with torch.compile; the backend reads host lists every step
+        raise startup.MobaSetupError(
+            f"moba_hf: SGLang's attention backend {NAME!r} runs eagerly; drop --enable-torch-compile (it captures "
+            "a CPU graph of the forward)"
         )
     found = startup.setup(model_runner.model_config, model_runner.kv_cache_dtype)
     if found is None:
