@@ -143,9 +143,10 @@ def start_expecting_refusal(command: list[str], env: dict[str, str], log: Path, 
     return output
 
 
-def generate(base: str, ids: list[int], max_tokens: int) -> dict:
+def generate(base: str, ids: list[int], max_tokens: int, ignore_eos: bool = False) -> dict:
     """SGLang's native /generate, greedy: {"tokens": [...], "cached": prompt tokens served from the radix cache}."""
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0}}
+    sampling = {"max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": ignore_eos}
+    body = {"input_ids": ids, "sampling_params": sampling}
     request = urllib.request.Request(
         f"{base}/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
