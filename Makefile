@@ -36,7 +36,10 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_attention.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .pytest_cache build *.egg-info
 
 # the vLLM plugin's virtualenv and tests: make test-vllm
 include vllm.mk
+
+# the SGLang plugin's virtualenv and tests: make test-sglang
+include sglang.mk

@@ -29,27 +29,27 @@ LAYERS = (
     ("config.py",),  # MobaConfig, the config files
     ("core.py",),  # the attention of one sequence, for every host
     ("integration",),  # everything that knows transformers
-    ("dca", "models.py"),  # the public DCA names; the one model loader
+    ("dca", "models.py", "serving.py"),  # the public DCA names; the one model loader; what server plugins share
     ("__init__.py",),  # the package's public names
     ("cli_args.py", "prompts.py"),  # what the commands share; the passkey prompt eval and train share
-    ("eval", "train", "vllm"),
+    ("eval", "train", "vllm", "sglang"),
     ("demo.py", "dca/cli.py", "presets/cli.py", "train/experiment.py"),  # commands built on the row below
     ("cli.py",),  # `moba-hf`: finds each command's module
 )
 
 THIRD_PARTY = {  # entry -> libraries it may not import at all
-    "options.py": ("torch", "transformers", "vllm"),
-    "window.py": ("torch", "transformers", "vllm"),
-    "logs.py": ("torch", "transformers", "vllm"),
-    "rundir.py": ("torch", "transformers", "vllm"),
-    "presets": ("torch", "transformers", "vllm"),
-    "dca/config.py": ("torch", "transformers", "vllm"),
-    "config.py": ("torch", "transformers", "vllm"),
-    "kernels": ("transformers", "vllm"),
-    "core.py": ("transformers", "vllm"),
-    "integration": ("vllm",),
-    "cli_args.py": ("torch", "transformers", "vllm"),
-    "prompts.py": ("torch", "transformers", "vllm"),
+    "options.py": ("torch", "transformers", "vllm", "sglang"),
+    "window.py": ("torch", "transformers", "vllm", "sglang"),
+    "logs.py": ("torch", "transformers", "vllm", "sglang"),
+    "rundir.py": ("torch", "transformers", "vllm", "sglang"),
+    "presets": ("torch", "transformers", "vllm", "sglang"),
+    "dca/config.py": ("torch", "transformers", "vllm", "sglang"),
+    "config.py": ("torch", "transformers", "vllm", "sglang"),
+    "kernels": ("transformers", "vllm", "sglang"),
+    "core.py": ("transformers", "vllm", "sglang"),
+    "integration": ("vllm", "sglang"),
+    "cli_args.py": ("torch", "transformers", "vllm", "sglang"),
+    "prompts.py": ("torch", "transformers", "vllm", "sglang"),
 }
 
 _MODULE_PATH = re.compile(r"moba_hf(\.[A-Za-z_]\w*)+(:[A-Za-z_]\w*)?")

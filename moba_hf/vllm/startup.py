@@ -15,19 +15,17 @@ Every check runs when the engine builds its attention layers, before any request
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
-from .. import logs
-from ..config import MobaConfig, read_config_file
+from ..config import MobaConfig
 from ..integration import rope_remap
 from ..integration.support import check_supported, rope_type
 from ..options import KV_CACHE_DTYPES, kv_cache_dtype
+from ..serving import ENV, QWEN_DCA_SOURCE, MobaSetupError, dca_on, find_source, read_source
 from .paged import PagedDca
 
 logger = logging.getLogger("moba_hf")
 
-ENV = "MOBA_HF_CONFIG"
 # vLLM model classes the plugin runs: their attention layers hand the backend post-RoPE q / k of plain causal
 # self-attention (the end-to-end tests run LlamaForCausalLM)
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -36,54 +34,19 @@ READABLE_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
 # DCA moves keys vLLM rotated with transformers' frequencies of the same rope type: the types where both
 # libraries compute the same frequencies (vLLM folds YaRN's factor into its cos / sin cache, its own way)
 DCA_ROPE_TYPES = ("default", "llama3")
-QWEN_DCA_SOURCE = "the checkpoint's dual_chunk_attention_config"
-
-
-class MobaSetupError(ValueError):
-    """A vLLM engine configuration the MoBA plugin refuses (raised at startup)."""
-
-
-def _source(vllm_config: Any) -> tuple[Any, str] | None:
-    model_config = vllm_config.model_config
-    overrides = model_config.hf_overrides if isinstance(model_config.hf_overrides, dict) else {}
-    if "moba_config" in overrides:
-        if overrides["moba_config"] is None:  # an explicit "no MoBA": the checkpoint's and the env's are not read
-            logs.once(logging.WARNING, "moba_hf: --hf-overrides moba_config is null, so MoBA is off and vLLM's own "
-                      "attention runs (%s and the checkpoint's moba_config are not read)", ENV)  # fmt: skip
-            return None
-        return overrides["moba_config"], "--hf-overrides moba_config"
-    env = os.environ.get(ENV)
-    if env:
-        return env, f"{ENV}={env}"
-    raw = getattr(model_config.hf_config, "moba_config", None)
-    if raw is not None:
-        return raw, "the checkpoint's config.json moba_config"
-    if rope_remap.qwen_dca_block(model_config.hf_text_config) is not None:
-        return {"sparse": False}, QWEN_DCA_SOURCE  # dca=None reads the block, as the transformers path does
-    return None
 
 
 def resolve(vllm_config: Any) -> tuple[MobaConfig, dict[str, Any], str] | None:
-    """(config, serving options, where it came from), or None when no MoBA config is given anywhere."""
-    found = _source(vllm_config)
+    """(config, serving options, where it came from), or None when no MoBA config is given anywhere (the
+    sources and their order: `serving.find_source`)."""
+    model_config = vllm_config.model_config
+    overrides = model_config.hf_overrides if isinstance(model_config.hf_overrides, dict) else {}
+    found = find_source(overrides, "--hf-overrides", model_config.hf_config, model_config.hf_text_config)
     if found is None:
         return None
     raw, where = found
-    serving: dict[str, Any] = {}
-    try:
-        if isinstance(raw, str) and os.path.isfile(raw):
-            settings = read_config_file(raw)  # a server file may also carry kv_cache_dtype / max_context_tokens
-            config, serving = settings.moba, settings.serving
-        else:
-            config = MobaConfig.from_spec(raw)
-    except (ValueError, FileNotFoundError) as err:
-        raise MobaSetupError(f"moba_hf: bad MoBA config from {where}: {err}") from None
+    config, serving = read_source(raw, where)
     return config, serving, where
-
-
-def _dca_on(config: MobaConfig, hf_config: Any) -> bool:
-    """DCA from the MoBA config, or (none there) from the checkpoint's dual_chunk_attention_config."""
-    return config.dca is not False and (config.dca is not None or rope_remap.qwen_dca_block(hf_config) is not None)
 
 
 def check(vllm_config: Any, config: MobaConfig, serving: dict[str, Any], where: str) -> frozenset[int]:
@@ -137,7 +100,7 @@ def check(vllm_config: Any, config: MobaConfig, serving: dict[str, Any], where: 
     # vLLM rotates q and k from a table of max_position_embeddings rows and reads past it for later positions
     # (garbage, NaN included, which the kernels' exact NaN route then follows); DCA has its own check, with advice
     table = getattr(hf_config, "max_position_embeddings", None)
-    if not _dca_on(config, hf_config) and isinstance(table, int) and model_config.max_model_len > table:
+    if not dca_on(config, hf_config) and isinstance(table, int) and model_config.max_model_len > table:
         raise MobaSetupError(
             f"moba_hf: max_model_len={model_config.max_model_len} needs RoPE positions up to "
             f"{model_config.max_model_len - 1}, but vLLM's RoPE table covers max_position_embeddings={table}; "
@@ -155,7 +118,7 @@ def dca_setup(vllm_config: Any, config: MobaConfig, where: str) -> PagedDca | No
     refuses what the paged DCA cannot serve exactly."""
     model_config = vllm_config.model_config
     hf_config = model_config.hf_text_config
-    if not _dca_on(config, hf_config):
+    if not dca_on(config, hf_config):
         return None
     rope = rope_type(hf_config)
     if rope not in DCA_ROPE_TYPES:
@@ -199,4 +162,6 @@ def describe(config: MobaConfig, dense: frozenset[int], where: str, dca: PagedDc
     return text
 
 
-__all__ = ["ARCHITECTURES", "ENV", "MobaSetupError", "check", "dca_setup", "describe", "resolve"]
+__all__ = [
+    "ARCHITECTURES", "ENV", "QWEN_DCA_SOURCE", "MobaSetupError", "check", "dca_setup", "describe", "resolve",
+]  # fmt: skip

@@ -1,0 +1,79 @@
+"""MoBA in SGLang: a `sglang.srt.plugins` entry point that registers the attention backend `moba`.
+
+    pip install moba-hf                 # beside your SGLang; SGLang finds the plugin through its entry point
+    MOBA_HF_CONFIG=training-free python -m sglang.launch_server --model-path PATH --device cpu \\
+        --attention-backend moba --dtype float32 --disable-cuda-graph
+    python -m sglang.launch_server ... --json-model-override-args '{"moba_config": {"block_size": 512, "top_k": 3}}'
+
+SGLang calls `register` in every process it starts (the launcher before it parses the server arguments, the
+scheduler, detokenizer and data-parallel workers); it may run more than once. It adds:
+
+    ATTENTION_BACKENDS["moba"]          the factory: on CPU `backend.MobaTorchNativeBackend` (SGLang's
+                                        torch-native backend plus MoBA); other devices are refused, named, and
+                                        so is --enable-torch-compile (SGLang's CPU graph); CUDA graphs are
+                                        never captured on CPU
+    --attention-backend choices         "moba"
+    mem_cache.allocation.get_last_loc   SGLang runs a Triton kernel here unless the backend is named
+                                        torch_native: for CPU tensors the plugin runs SGLang's own torch version
+
+With no MoBA config anywhere (see `startup`) the backend is SGLang's torch-native backend, unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+NAME = "moba"
+LAST_LOC = "sglang.srt.mem_cache.allocation.get_last_loc"
+_registered: list[bool] = []
+
+
+def create_backend(model_runner: Any) -> Any:
+    """The attention backend of `--attention-backend moba` for SGLang's model runner (startup checks first)."""
+    from . import startup
+
+    device = str(model_runner.device)
+    if device != "cpu":
+        raise startup.MobaSetupError(
+            f"moba_hf: SGLang's attention backend {NAME!r} runs on CPU (--device cpu, over SGLang's torch-native "
+            f"backend); this server runs on {device!r}"
+        )
+    if getattr(model_runner.server_args, "enable_torch_compile", False):
+        # SGLang captures a CPU graph of the forward with torch.compile; the backend reads host lists every step
+        raise startup.MobaSetupError(
+            f"moba_hf: SGLang's attention backend {NAME!r} runs eagerly; drop --enable-torch-compile (it captures "
+            "a CPU graph of the forward)"
+        )
+    found = startup.setup(model_runner.model_config, model_runner.kv_cache_dtype)
+    if found is None:
+        from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+        return TorchNativeAttnBackend(model_runner)
+    from .backend import MobaTorchNativeBackend
+
+    return MobaTorchNativeBackend(model_runner, found)
+
+
+def last_loc(original: Any, req_to_token: Any, *args: Any, **kwargs: Any) -> Any:
+    """SGLang's `get_last_loc`, with its torch version for CPU tensors (its Triton kernel needs a GPU)."""
+    if req_to_token.device.type == "cpu":
+        from sglang.srt.mem_cache.allocation import get_last_loc_torch
+
+        return get_last_loc_torch(req_to_token, *args, **kwargs)
+    return original(req_to_token, *args, **kwargs)
+
+
+def register() -> None:
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    register_attention_backend(NAME)(create_backend)
+    if NAME not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([NAME])
+    if not _registered:  # SGLang applies a hook once per process; register it once
+        _registered.append(True)
+        HookRegistry.register(LAST_LOC, last_loc, HookType.AROUND)
+
+
+__all__ = ["LAST_LOC", "NAME", "create_backend", "last_loc", "register"]

@@ -1,0 +1,110 @@
+"""The MoBA attention backend for SGLang on CPU: SGLang's torch-native backend plus MoBA.
+
+The KV pool, its writes and the attention of dense layers are SGLang's own; what changes is the attention of
+the layers a MobaConfig makes sparse: every sequence of an extend (a prompt, a chunk, a prompt after a
+radix-cache hit) or a decode step goes to `core` over its own keys in the pool (`pool.moba_pool`)::
+
+    layer dense (full_attn_layers / ids) or sparse = false  ->  SGLang's torch-native attention
+    otherwise, every sequence                               ->  core.path / core.attend over its pool slots
+    decode steps with decode = "moba"                       ->  core.decode over the pooled keys kept beside
+                                                                the pool (`pool.PoolGateKeys`, one table per
+                                                                sparse layer), reading the selected blocks only
+
+Without a MoBA config (see `startup`) the backend is SGLang's torch-native backend, unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.layers.radix_attention import AttentionType
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+from .pool import PoolGateKeys, moba_pool
+from .startup import MobaSetupError, Setup
+
+
+class MobaTorchNativeBackend(TorchNativeAttnBackend):
+    """SGLang's torch-native attention backend with MoBA for the layers a MobaConfig makes sparse."""
+
+    def __init__(self, model_runner: Any, setup: Setup) -> None:
+        super().__init__(model_runner)
+        if self.use_sliding_window_kv_pool:
+            raise MobaSetupError("moba_hf: sliding-window attention cannot be combined with MoBA")
+        self.moba = setup.config
+        self.dense_layers = setup.dense if setup.config.sparse else None  # None: every layer dense
+        self.lists: tuple[list[int], list[int], list[int]] | None = None
+        self.gate_keys: dict[int, tuple[int, PoolGateKeys]] = {}  # layer id -> (its pool's data_ptr, pooled keys)
+
+    def init_forward_metadata(self, forward_batch: Any) -> None:
+        super().init_forward_metadata(forward_batch)
+        # host copies read by every layer of this step: rows of req_to_token, positions so far, new positions
+        rows = forward_batch.req_pool_indices.tolist()
+        if forward_batch.seq_lens_cpu is not None:
+            lens = forward_batch.seq_lens_cpu.tolist()
+        else:
+            lens = forward_batch.seq_lens.tolist()
+        if forward_batch.forward_mode.is_decode_or_idle():
+            new = [1] * len(rows)
+        elif forward_batch.extend_seq_lens_cpu is not None:
+            new = list(forward_batch.extend_seq_lens_cpu)
+        else:
+            new = forward_batch.extend_seq_lens.tolist()
+        self.lists = (rows, lens, new)
+
+    def moba_layer(self, layer: Any) -> bool:
+        """Whether `layer` runs MoBA: a sparse layer of plain causal self-attention."""
+        if self.dense_layers is None or layer.layer_id in self.dense_layers:
+            return False
+        if layer.is_cross_attention or layer.attn_type != AttentionType.DECODER:
+            return False
+        window = layer.sliding_window_size
+        if window is not None and window > -1:
+            raise MobaSetupError(f"moba_hf: layer {layer.layer_id} uses sliding-window attention ({window})")
+        return True
+
+    def gate_keys_for(self, layer: Any, k_buffer: torch.Tensor) -> PoolGateKeys | None:
+        """The layer's pooled keys beside the pool with decode = "moba" (None otherwise); new for a new pool."""
+        if self.moba.decode != "moba":
+            return None
+        found = self.gate_keys.get(layer.layer_id)
+        if found is None or found[0] != k_buffer.data_ptr():
+            found = (k_buffer.data_ptr(), PoolGateKeys(k_buffer, self.moba.block_size, self.moba.pooling))
+            self.gate_keys[layer.layer_id] = found
+        return found[1]
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        if not self.moba_layer(layer):
+            return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        return self.moba_forward(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        if not self.moba_layer(layer):
+            return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        return self.moba_forward(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def moba_forward(self, q, k, v, layer, forward_batch, save_kv_cache) -> torch.Tensor:
+        if save_kv_cache and k is not None and v is not None:  # SGLang's own cache write
+            self.token_to_kv_pool.set_kv_buffer(
+                layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
+            )
+        q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        o = q.new_empty((q_.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+        rows, lens, new = self.lists
+        k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        moba_pool(
+            q_,
+            o.view(-1, layer.tp_q_head_num, layer.v_head_dim),
+            k_buffer,
+            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+            self.req_to_token_pool.req_to_token,
+            req_pool_indices=rows,
+            seq_lens=lens,
+            extend_lens=new,
+            config=self.moba,
+            scale=layer.scaling,
+            gate_keys=self.gate_keys_for(layer, k_buffer),
+        )
+        return o
