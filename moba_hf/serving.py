@@ -39,8 +39,13 @@ def find_source(
     text_config: its language model's config (Qwen's ``dual_chunk_attention_config``)."""
     if "moba_config" in overrides:
         if overrides["moba_config"] is None:  # an explicit "no MoBA": the env's and the checkpoint's are not read
-            logs.once(logging.WARNING, "moba_hf: %s moba_config is null, so MoBA is off and the server's own "
-                      "attention runs (%s and the checkpoint's moba_config are not read)", override_flag, ENV)  # fmt: skip
+            logs.once(
+                logging.WARNING,
+                "moba_hf: %s moba_config is null, so MoBA is off and the server's own attention runs (%s and the "
+                "checkpoint's moba_config are not read)",
+                override_flag,
+                ENV,
+            )
             return None
         return overrides["moba_config"], f"{override_flag} moba_config"
     env = os.environ.get(ENV)
