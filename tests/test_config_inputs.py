@@ -200,7 +200,8 @@ def test_an_unreadable_moba_hf_config_is_the_plugins_setup_error(tmp_path, monke
     path.write_text('block_size = 64\ntop_k = 3\nkv_cache_dtype = "fp16"\n')
     _unreadable(monkeypatch, path)
     monkeypatch.setenv(startup.ENV, str(path))
-    model_config = types.SimpleNamespace(hf_overrides={}, hf_config=types.SimpleNamespace())
+    hf_config = types.SimpleNamespace()
+    model_config = types.SimpleNamespace(hf_overrides={}, hf_config=hf_config, hf_text_config=hf_config)
     with pytest.raises(startup.MobaSetupError, match=rf"MOBA_HF_CONFIG={path}: config file {path} cannot be read"):
         startup.resolve(types.SimpleNamespace(model_config=model_config))
 
