@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	@echo "set-up done; moba-hf demo: one 8K prompt, dense attention then MoBA (README: about 2 minutes idle)"
+	@echo "set-up done; moba-hf demo: one 8K prompt, dense attention then MoBA (README: about 1 minute idle)"
 	$(VENV)/bin/moba-hf demo
 
 test: $(STAMP)
