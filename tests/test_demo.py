@@ -6,7 +6,7 @@ from moba_hf import cli, demo
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# Two prefills of one prompt inside SmolLM2's 8192-token window: about 1.5 minutes of the demo on an idle 2-core
+# Two prefills of one prompt inside SmolLM2's 8192-token window: about 1 minute of the demo on an idle 2-core
 # CPU (docs/results.md, "The demo"). Each prompt token more costs sdpa's quadratic prefill twice.
 PREFILL_BUDGET = 2 * 8192
 DECODE_BUDGET = 2 * 8
