@@ -255,3 +255,53 @@ def test_lm_eval_ruler_essay_task_runs_offline_on_local_essays(tiny_dir, essay_d
     doc = json.loads(samples.read_text().splitlines()[0])["doc"]
     # the haystack is the local essays' opening (as many words as fit 512 tokens of the tiny tokenizer)
     assert "Zanzibar" in doc["input"] and doc["outputs"][0] in doc["input"]
+
+
+@pytest.mark.slow  # lm-eval's start-up and 15 requests: about 30 s
+def test_docs_local_completions_command_runs_as_printed_against_a_server(tmp_path):
+    """docs/eval.md's `moba-hf lm-eval --model local-completions ...` command, as printed but for the port, against
+    a loopback stand-in of the server's /v1/completions (answering " 0" to every prompt):
+    the `eval` extra carries what lm-eval's API models import, and every prompt reaches the server."""
+    import http.server
+    import re
+    import socket
+    import threading
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "eval.md").read_text()
+    block = re.search(r"```bash\n(?:#.*\n)*(moba-hf lm-eval --model local-completions .*?)\n```", text, re.S)
+    assert block, "docs/eval.md: no bash block with the local-completions command"
+    command = block.group(1).replace("\\\n", " ")
+    assert command.count(":8000/") == 1
+    prompts = []
+
+    class Completions(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - the stdlib's name
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            prompt = body["prompt"]  # text, token ids, or a batch of either
+            batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)) else [prompt]
+            prompts.extend(batch)
+            reply = {"choices": [{"index": i, "text": " 0", "finish_reason": "stop"} for i in range(len(batch))]}
+            data = json.dumps(reply).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Completions)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "HF_HUB_OFFLINE": "1"}
+        run = subprocess.run(["bash", "-c", command.replace(":8000/", f":{port}/")], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=600)  # fmt: skip
+    finally:
+        server.shutdown()
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(prompts) == 15  # the shipped moba_passkey prompts, each sent once
