@@ -21,6 +21,7 @@ except ImportError:  # Python 3.10
     import tomli as tomllib
 
 # no torch here: reading a config (and `moba-hf presets`) must not load the kernels
+from . import logs
 from .dca.config import DcaConfig, check_block_multiple
 from .options import (
     BUILTIN_BACKENDS,
@@ -37,7 +38,6 @@ from .options import (
 if TYPE_CHECKING:
     from .kernels.selection import GateOptions
 
-logger = logging.getLogger("moba_hf")
 
 DECODE_MODES = ("moba", "full")
 # the fields that take a number (numpy scalars among them are stored as the Python number they equal)
@@ -45,10 +45,6 @@ _NUMBER_FIELDS = (
     "block_size", "top_k", "full_attn_layers", "decode_top_k", "sink_blocks", "local_blocks", "top_p", "min_top_k",
     "dense_tail",
 )  # fmt: skip
-
-
-def _check_int(name: str, value: Any, low: int) -> None:
-    check_count(name, value, low)
 
 
 def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
@@ -120,17 +116,17 @@ class MobaConfig:
     def __post_init__(self) -> None:
         for name in _NUMBER_FIELDS:  # numpy scalars as Python numbers: the config goes to JSON (config.json)
             object.__setattr__(self, name, plain_number(getattr(self, name)))
-        _check_int("block_size", self.block_size, 1)
-        _check_int("top_k", self.top_k, 1)
-        _check_int("full_attn_layers", self.full_attn_layers, 0)
-        _check_int("sink_blocks", self.sink_blocks, 0)
-        _check_int("local_blocks", self.local_blocks, 0)
-        _check_int("dense_tail", self.dense_tail, 0)
+        check_count("block_size", self.block_size, 1)
+        check_count("top_k", self.top_k, 1)
+        check_count("full_attn_layers", self.full_attn_layers, 0)
+        check_count("sink_blocks", self.sink_blocks, 0)
+        check_count("local_blocks", self.local_blocks, 0)
+        check_count("dense_tail", self.dense_tail, 0)
         check_top_p(self.top_p)
-        _check_int("min_top_k", self.min_top_k, 1)
+        check_count("min_top_k", self.min_top_k, 1)
         check_budget_options(self.top_p, self.min_top_k)
         if self.decode_top_k is not None:
-            _check_int("decode_top_k", self.decode_top_k, 1)
+            check_count("decode_top_k", self.decode_top_k, 1)
             if self.decode != "moba":
                 raise ValueError(
                     f"decode_top_k is the budget of sparse decode steps: it needs decode='moba', got "
@@ -225,7 +221,7 @@ class MobaConfig:
         Full-attention layers are not counted here. With `top_p` this is the fewest pairs skipped (every query
         at its top_k); the adaptive budget's own figure is measured (`moba_hf.track_sparsity`).
         """
-        _check_int("seq_len", seq_len, 1)
+        check_count("seq_len", seq_len, 1)
         if not self.sparse:
             return 0.0
         bs = self.block_size
@@ -271,7 +267,16 @@ class MobaConfig:
         out of the MobaConfig and logged once per file (`read_config_file` returns them)."""
         settings = read_config_file(path)
         if settings.serving:
-            _tell_serving_options(str(Path(path).resolve()), _listed(settings.serving))
+            where, options = Path(path).resolve(), _listed(settings.serving)
+            logs.once(  # from_file may run for every model loaded: once per file and options
+                logging.WARNING,
+                "moba_hf: %s also holds %s: serving options for the vLLM plugin (MOBA_HF_CONFIG=%s), which a "
+                "MobaConfig does not carry; MobaConfig.from_file returns the MoBA settings only (read_config_file "
+                "returns both)",
+                where,
+                options,
+                where,
+            )
         return settings.moba
 
     @classmethod
@@ -356,17 +361,6 @@ MODEL_CONFIG_FIELD = property(
 
 def _listed(options: Mapping[str, Any]) -> str:
     return ", ".join(f"{key}={value!r}" for key, value in options.items())
-
-
-@functools.lru_cache(maxsize=256)  # once per file and options: from_file may run for every model loaded
-def _tell_serving_options(path: str, options: str) -> None:
-    logger.warning(
-        "moba_hf: %s also holds %s: serving options for the vLLM plugin (MOBA_HF_CONFIG=%s), which a MobaConfig "
-        "does not carry; MobaConfig.from_file returns the MoBA settings only (read_config_file returns both)",
-        path,
-        options,
-        path,
-    )
 
 
 class _Unreadable(ValueError):
