@@ -1,27 +1,24 @@
 """`MobaConfig`: the one validated, frozen description of how a model attends.
 
 It is stored in ``model.config.moba_config`` as a plain dict, so ``save_pretrained`` writes it to
-``config.json`` and ``from_pretrained(..., attn_implementation="moba")`` reads it back.
+``config.json`` and ``from_pretrained(..., attn_implementation="moba")`` reads it back. A config file is read by
+`config_files` (TOML / JSON / YAML into a dict) and its keys by `config_vocabularies` (ours, a server attention
+file's, the reference MoBA code's); `read_config` / `read_config_file` here build the MobaConfig from them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-try:
-    import tomllib
-except ImportError:  # Python 3.10
-    import tomli as tomllib
-
 # no torch here: reading a config (and `moba-hf presets`) must not load the kernels
-from . import logs
+from . import config_vocabularies, logs
+from .config_files import load_mapping
 from .dca.config import DcaConfig, check_block_multiple
 from .options import (
     BUILTIN_BACKENDS,
@@ -29,9 +26,6 @@ from .options import (
     check_budget_options,
     check_count,
     check_top_p,
-    file_bool,
-    file_int,
-    kv_cache_dtype,
     plain_number,
 )
 
@@ -245,7 +239,7 @@ class MobaConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MobaConfig:
-        """From our keys (top level or under `moba`), the seed-style server keys or the reference MoBA's
+        """From our keys (top level or under `moba`), a server attention file's keys or the reference MoBA's
         `moba_chunk_size` / `moba_topk`. Every key is used or refused, and so are two keys for one setting;
         serving options are refused here (`read_config` returns them). As server files write them, integers
         may be digit strings ("2") and switches the strings "true" / "false"; an `about` table (`summary`,
@@ -363,152 +357,10 @@ def _listed(options: Mapping[str, Any]) -> str:
     return ", ".join(f"{key}={value!r}" for key, value in options.items())
 
 
-class _Unreadable(ValueError):
-    """A file refused while it is parsed (a key given twice, invalid YAML); `load_mapping` adds the file's name."""
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _read_text(path: Path) -> str:
-    """The file as UTF-8 text (a UTF-8 byte-order mark is allowed); anything else is refused by name."""
-    raw = path.read_bytes()
-    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
-        raise ValueError(
-            f"config file {path} is UTF-16 text (it starts with a UTF-16 byte-order mark): save it as UTF-8"
-        )
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as err:
-        raise ValueError(
-            f"config file {path} is not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start}): a config "
-            "file is TOML, JSON or YAML saved as UTF-8"
-        ) from None
-    if "\0" in text:  # TOML, JSON and YAML all forbid it: a binary file, or UTF-16 without a byte-order mark
-        raise ValueError(
-            f"config file {path} holds NUL bytes (offset {raw.index(0)}): a binary file or UTF-16 text, not a "
-            "TOML, JSON or YAML file saved as UTF-8"
-        )
-    return text
-
-
-def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _Unreadable(
-                f"key {key!r} appears twice in one JSON object ({_short(out[key])}, then {_short(value)}); keep one"
-            )
-        out[key] = value
-    return out
-
-
-@functools.cache
-def _yaml_loader() -> type:
-    import yaml
-
-    class UniqueKeyLoader(yaml.SafeLoader):
-        """safe_load's loader, refusing a key given twice in one mapping (PyYAML keeps the last)."""
-
-        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
-            seen: dict[Any, int] = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: explicit keys may override merged ones
-                    continue
-                key = self.construct_object(key_node, deep=True)
-                try:
-                    repeated = key in seen
-                except TypeError:  # an unhashable key: the base class refuses it with its position
-                    continue
-                line = key_node.start_mark.line + 1
-                if repeated:
-                    raise _Unreadable(
-                        f"key {key!r} appears twice in one YAML mapping (lines {seen[key]} and {line}); keep one"
-                    )
-                seen[key] = line
-            return super().construct_mapping(node, deep)
-
-    return UniqueKeyLoader
-
-
-def _load_yaml(text: str) -> Any:
-    import yaml
-
-    try:
-        return yaml.load(text, Loader=_yaml_loader())  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as err:
-        raise _Unreadable(f"invalid YAML: {err}") from None
-
-
-def load_mapping(path: str | Path) -> dict[str, Any]:
-    """Read a TOML / JSON / YAML file into a dict. Errors name the file; refused: an empty file, text that is not
-    UTF-8, a key given twice in one table (TOML refuses it itself), nesting too deep to parse."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"config file not found: {path}")
-    suffix = path.suffix.lower()
-    if suffix not in (".toml", ".json", ".yaml", ".yml"):
-        raise ValueError(f"config file {path} must end in .toml, .json, .yaml or .yml, got {suffix!r}")
-    kind = {".toml": "TOML", ".json": "JSON"}.get(suffix, "YAML")
-    try:
-        text = _read_text(path)
-    except OSError as err:  # a file that exists but cannot be read (permissions, a device error)
-        raise ValueError(
-            f"config file {path} cannot be read: {err.strerror or err}; make it readable to this process"
-        ) from None
-    try:
-        if suffix == ".toml":
-            data = tomllib.loads(text)
-        elif suffix == ".json":
-            data = json.loads(text, object_pairs_hook=_json_object) if text.strip() else None
-        else:
-            data = _load_yaml(text)
-    except _Unreadable as err:
-        raise ValueError(f"{path}: {err}") from None
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: invalid {kind}: {err}") from None
-    except RecursionError:
-        raise ValueError(f"{path}: nested too deeply to parse as {kind} (settings need at most three levels)") from None
-    if not data:
-        raise ValueError(f"config file {path} is empty: give settings (or remove the file to use the defaults)")
-    if not isinstance(data, Mapping):
-        raise ValueError(f"config file {path} must hold a table of settings, got {type(data).__name__}")
-    return dict(data)
-
-
-# --- other vocabularies ---------------------------------------------------------------------------
-# Seed-style server configs and the reference MoBA code name the same settings differently.
-ALIASES = {
-    "top_k_blocks": "top_k",
-    "moba_topk": "top_k",
-    "moba_chunk_size": "block_size",
-    "score_pooling": "pooling",
-}
-# MoBA always attends the current block, causally: these may only say so.
-ALWAYS_TRUE = {
-    "force_current_block": "MoBA always attends the query's own block",
-    "causal_mask": "MoBA attention is causal (a query never sees a later key)",
-}
-SERVING_KEYS = ("kv_cache_dtype", "max_context_tokens")
-SEED_KEYS = ("attention_type", "enable_full_attention_fallback", "fallback_layers", "flash_attn_version")
-_NESTED = {  # the nested seed TOML's [attention] table: key path -> flat seed key (other keys: as flat ones)
-    ("type",): "attention_type",
-    ("fallback", "enable"): "enable_full_attention_fallback",
-    ("fallback", "enabled"): "enable_full_attention_fallback",
-    ("fallback", "layers"): "fallback_layers",
-    ("kv_cache", "dtype"): "kv_cache_dtype",
-    ("kv_cache", "max_context_tokens"): "max_context_tokens",
-}
-_SUBTABLES = ("fallback", "kv_cache")
-# a description beside the settings, as each preset has: read (and checked), never a setting
-ABOUT_KEYS = ("summary", "measured")
-
-
+# --- reading a config: files (config_files), other vocabularies (config_vocabularies) -------------------
 @dataclasses.dataclass(frozen=True)
 class ConfigSettings:
-    """What a config file or mapping holds: the MobaConfig, any serving options (vLLM's side, KV cache dtype
+    """What a config file or mapping holds: the MobaConfig, any serving options (the server's side, KV cache dtype
     in vLLM's name) and the `[about]` description."""
 
     moba: MobaConfig
@@ -516,210 +368,24 @@ class ConfigSettings:
     about: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
+def read_config(data: Mapping[str, Any]) -> ConfigSettings:
+    """A mapping in any supported vocabulary (ours, a server attention file's, the reference MoBA code's) as a
+    MobaConfig plus serving options; every key without a use is refused, and so are two keys that set one thing."""
+    found = config_vocabularies.translate(data, MobaConfig)
+    try:
+        moba = MobaConfig(**found.fields)
+    except ValueError as err:  # MobaConfig names its field: say which key of the file set it
+        for target, (written, _) in found.given.items():
+            if written != target and str(err).startswith(f"{target} "):
+                raise ValueError(f"{err} (set by {written})") from None
+        raise
+    return ConfigSettings(moba, found.serving, found.about)
+
+
 def read_config_file(path: str | Path) -> ConfigSettings:
-    """`read_config` of a file (the vLLM plugin reads server configs this way)."""
+    """`read_config` of a file (`load_mapping`: TOML / JSON / YAML); the server plugins read their files this way."""
     data = load_mapping(path)
     try:
         return read_config(data)
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
-
-
-def _show(value: Any) -> str:
-    """A value as the config file writes it (true / false, not Python's True / False)."""
-    return str(value).lower() if isinstance(value, bool) else _short(value)
-
-
-def _clash(first: tuple[str, Any], second: tuple[str, Any], target: str) -> None:
-    (a, va), (b, vb) = first, second
-    if type(va) is type(vb) and va == vb:
-        raise ValueError(f"{a} and {b} both set {target} (to {_show(va)}); keep one")
-    raise ValueError(f"{a} = {_show(va)} contradicts {b} = {_show(vb)} (both set {target}); keep one")
-
-
-def _read_about(value: Any) -> dict[str, str]:
-    keys = " and ".join(ABOUT_KEYS)
-    if not isinstance(value, Mapping):
-        raise ValueError(f"about must be a table ([about] with {keys}), got {_short(value)}")
-    extra = sorted(set(value) - set(ABOUT_KEYS))
-    if extra:
-        raise ValueError(
-            f"[about] takes only {keys} (text describing the settings, as the presets have), got "
-            f"{['about.' + str(k) for k in extra]}: settings go in the [moba] table"
-        )
-    for key, text in value.items():
-        if not isinstance(text, str):
-            raise ValueError(f"about.{key} must be text, got {_short(text)}")
-    return dict(value)
-
-
-def _attention_entries(table: Any) -> tuple[dict[str, tuple[str, Any]], list[str]]:
-    """The nested seed [attention] table as flat seed keys -> (key as written, value), and its unknown keys."""
-    if not isinstance(table, Mapping):
-        raise ValueError(f"the [attention] table must be a table of settings, got {_short(table)}")
-    entries: dict[str, tuple[str, Any]] = {}
-    unknown: list[str] = []
-
-    def add(here: tuple[str, ...], value: Any) -> None:
-        written = ".".join(("attention", *here))
-        flat = _NESTED.get(here, here[0] if len(here) == 1 else None)
-        if flat is None:
-            unknown.append(written)
-        elif flat in entries:
-            _clash(entries[flat], (written, value), flat)
-        else:
-            entries[flat] = (written, value)
-
-    for key, value in table.items():
-        if key in _SUBTABLES:
-            if not isinstance(value, Mapping):
-                raise ValueError(f"attention.{key} must be a table ([attention.{key}]), got {_short(value)}")
-            for sub, inner in value.items():
-                add((key, sub), inner)
-        else:
-            add((key,), value)
-    return entries, unknown
-
-
-def _no_settings(table: str | None, about: Mapping[str, str], entries: Mapping[str, Any]) -> str:
-    """The refusal of a config that names no MoBA setting (it would run the defaults without a word)."""
-    where = f"the [{table}] table" if table is not None else "the config"
-    if entries:
-        what = f"{where} holds only serving options ({', '.join(sorted(entries))})"
-    elif table is not None:
-        what = f"{where} is empty"
-    else:
-        what = f"{where} holds only an [about] description" if about else f"{where} holds no settings"
-    return (
-        f"{what}: no MoBA setting, so the defaults ({MobaConfig()}) would run without a word; give the settings "
-        "(block_size, top_k, ...; `moba-hf presets NAME` prints a complete file), e.g. block_size = 512 and "
-        "top_k = 3 for the defaults"
-    )
-
-
-def _valid_keys() -> str:
-    fields = sorted(f.name for f in dataclasses.fields(MobaConfig))
-    seed = sorted((*ALIASES, *ALWAYS_TRUE, *SERVING_KEYS, *SEED_KEYS))
-    return (
-        f"MobaConfig's {fields}; the seed server format's {seed}, or nested: [attention] type and the keys above, "
-        "[attention.fallback] enable (or enabled) and layers, [attention.kv_cache] dtype and max_context_tokens"
-    )
-
-
-def _integer(written: str, value: Any, low: int | None = None) -> int:
-    number = file_int(value)
-    if isinstance(number, bool) or not isinstance(number, int) or (low is not None and number < low):
-        bound = f" >= {low}" if low is not None else ""
-        raise ValueError(
-            f'{written} must be an integer{bound} (a number, or digits in quotes like "2"), got {_short(value)}'
-        )
-    return number
-
-
-def _field_value(field: dataclasses.Field, written: str, value: Any) -> Any:
-    """A file's value for a MobaConfig field: integers may come as digit strings, booleans as "true" / "false"."""
-    if field.type == "int" or (field.type == "int | None" and value is not None):
-        return _integer(written, value)
-    if field.type == "bool" or (field.name == "dca" and isinstance(value, str)):
-        return file_bool(written, value)
-    if field.name == "full_attn_layer_ids" and isinstance(value, (list, tuple)):
-        return [file_int(i) for i in value]
-    return value
-
-
-def read_config(data: Mapping[str, Any]) -> ConfigSettings:
-    """Map any supported vocabulary to a MobaConfig plus serving options; refuse every key without a use, and
-    two keys that set the same thing."""
-    if not isinstance(data, Mapping):
-        raise ValueError(f"a MoBA config must be a table of settings, got {type(data).__name__} {_short(data)}")
-    data = dict(data)
-    given_anything = bool(data)  # {}: no changes, the defaults; a table without settings is refused below
-    about = _read_about(data.pop("about")) if "about" in data else {}
-    entries = {key: (key, value) for key, value in data.items()}
-    unknown: list[str] = []
-    used_table = None
-    for table in ("moba", "attention"):
-        if table in data:
-            used_table = table
-            rest = sorted(set(data) - {table})
-            if rest:
-                raise ValueError(
-                    f"keys {rest} sit beside the [{table}] table and would be ignored: move them into [{table}] "
-                    "or remove them"
-                )
-            inner = data[table]
-            if table == "moba":
-                if not isinstance(inner, Mapping):
-                    raise ValueError(f"moba must be a table of settings, got {type(inner).__name__} {_short(inner)}")
-                entries = {key: (key, value) for key, value in inner.items()}
-            else:
-                entries, unknown = _attention_entries(inner)
-    known = {f.name: f for f in dataclasses.fields(MobaConfig)}
-    fields: dict[str, Any] = {}
-    given: dict[str, tuple[str, Any]] = {}  # MobaConfig field -> (key as written, value as written)
-    serving: dict[str, Any] = {}
-    switch = entries.get("enable_full_attention_fallback")
-    fallback_enabled = None if switch is None else file_bool(switch[0], switch[1])
-    for flat, (written, raw) in entries.items():
-        value = raw
-        if flat in known:
-            target = flat
-        elif flat in ALIASES:
-            target = ALIASES[flat]
-        elif flat in ALWAYS_TRUE:
-            if file_bool(written, value) is not True:
-                raise ValueError(
-                    f"{written} = {_show(value)} is not possible: {ALWAYS_TRUE[flat]}; it may only be true"
-                )
-            continue
-        elif flat == "kv_cache_dtype":
-            serving[flat] = kv_cache_dtype(value, written)
-            continue
-        elif flat == "max_context_tokens":
-            serving[flat] = _integer(written, value, 1)
-            continue
-        elif flat == "attention_type":
-            if value not in ("moba", "full"):
-                raise ValueError(f"{written} must be 'moba' or 'full', got {_short(value)}")
-            target, value = "sparse", value == "moba"
-        elif flat == "enable_full_attention_fallback":
-            continue  # read with fallback_layers
-        elif flat == "fallback_layers":
-            if isinstance(value, (list, tuple)):
-                target, value = "full_attn_layer_ids", [file_int(i) for i in value]
-            else:
-                target, value = "full_attn_layers", _integer(written, value, 0)
-            if fallback_enabled is False and value:
-                raise ValueError(
-                    f"{written} = {_show(raw)} contradicts {switch[0]} = false: set it true, or {written} = 0"
-                )
-        elif flat == "flash_attn_version":
-            if isinstance(value, bool) or file_int(value) != 2:
-                raise ValueError(
-                    f'{written} must be 2 (the flash backend runs flash-attn 2; the number 2 or "2"), '
-                    f"got {_short(value)}"
-                )
-            target, value = "backend", "flash"
-        else:
-            unknown.append(written)
-            continue
-        if target in given:
-            _clash(given[target], (written, raw), target)
-        fields[target] = _field_value(known[target], written, value)
-        given[target] = (written, raw)
-    if unknown:
-        raise ValueError(f"unknown MoBA config keys {sorted(unknown)}; valid keys: {_valid_keys()}")
-    if given_anything and set(entries) <= set(SERVING_KEYS):
-        raise ValueError(_no_settings(used_table, about, entries))
-    if fallback_enabled and "full_attn_layers" not in fields and "full_attn_layer_ids" not in fields:
-        raise ValueError(f"{switch[0]} = true needs fallback_layers (how many last layers are dense)")
-    if isinstance(fields.get("pooling"), str) and fields["pooling"] == "avg":
-        fields["pooling"] = "mean"
-    try:
-        moba = MobaConfig(**fields)
-    except ValueError as err:  # MobaConfig names its field: say which key of the file set it
-        for target, (written, _) in given.items():
-            if written != target and str(err).startswith(f"{target} "):
-                raise ValueError(f"{err} (set by {written})") from None
-        raise
-    return ConfigSettings(moba, serving, about)

@@ -36,11 +36,11 @@ MAX_COUNT = 2**62 - 1
 def check_count(name: str, value: object, low: int) -> None:
     """An integer in [low, MAX_COUNT] (a bool is not a count); ValueError naming `name`, the value and the range."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {_short(value)}")
+        raise ValueError(f"{name} must be an integer >= {low}, got {short(value)}")
     if value > MAX_COUNT:
         raise ValueError(
             f"{name} must be at most {MAX_COUNT} (2**62 - 1, the largest count the kernels' int64 arithmetic "
-            f"holds; a value past the sequence's length acts as that length), got {_short(value)}"
+            f"holds; a value past the sequence's length acts as that length), got {short(value)}"
         )
 
 
@@ -56,7 +56,8 @@ def plain_number(value: Any) -> Any:
     return value
 
 
-def _short(value: object) -> str:
+def short(value: object) -> str:
+    """`repr(value)`, cut to 60 characters for an error message."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 

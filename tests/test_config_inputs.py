@@ -216,12 +216,12 @@ def test_flash_attn_version_means_the_flash_backend_and_nothing_else(tmp_path):
 
 
 def test_every_server_key_has_its_meaning_in_the_serving_docs():
-    from moba_hf import config
+    from moba_hf import config_vocabularies as names
 
     text = (pathlib.Path(__file__).parent.parent / "docs" / "serving.md").read_text()
     section = text[text.index("### Server files") :]
     section = section[: section.index("\n## ")]
-    for key in (*config.ALIASES, *config.ALWAYS_TRUE, *config.SERVING_KEYS, *config.SEED_KEYS):
+    for key in (*names.ALIASES, *names.ALWAYS_TRUE, *names.SERVING_KEYS, *names.SERVER_KEYS):
         assert f"`{key}`" in section, key
 
 

@@ -25,8 +25,8 @@ LAYERS = (
     ),  # torch-free: vocabularies, the position window, log-once, run directories
     ("kernels",),  # tensor math
     ("presets",),  # the shipped preset files and their names
-    ("dca/config.py",),  # DcaConfig
-    ("config.py",),  # MobaConfig, the config files
+    ("dca/config.py", "config_files.py", "config_vocabularies.py"),  # DcaConfig; the file reader; other vocabularies
+    ("config.py",),  # MobaConfig, read from a mapping or a file
     ("core.py",),  # the attention of one sequence, for every host
     ("integration",),  # everything that knows transformers
     ("dca", "models.py", "serving.py"),  # the public DCA names; the one model loader; what server plugins share
@@ -44,6 +44,8 @@ THIRD_PARTY = {  # entry -> libraries it may not import at all
     "rundir.py": ("torch", "transformers", "vllm", "sglang"),
     "presets": ("torch", "transformers", "vllm", "sglang"),
     "dca/config.py": ("torch", "transformers", "vllm", "sglang"),
+    "config_files.py": ("torch", "transformers", "vllm", "sglang"),
+    "config_vocabularies.py": ("torch", "transformers", "vllm", "sglang"),
     "config.py": ("torch", "transformers", "vllm", "sglang"),
     "kernels": ("transformers", "vllm", "sglang"),
     "core.py": ("transformers", "vllm", "sglang"),

@@ -71,7 +71,7 @@ def parse_override(text: str) -> tuple[str, str, Any]:
 
 
 def load_config(path: str, overrides: list[str] = (), direct: dict[tuple[str, str], Any] | None = None):
-    from ..config import load_mapping
+    from ..config_files import load_mapping
     from .config import TrainConfig
 
     data = load_mapping(path)

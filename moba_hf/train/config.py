@@ -21,7 +21,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..config import MobaConfig, load_mapping
+from ..config import MobaConfig
+from ..config_files import load_mapping
 
 PRECISIONS = ("fp32", "bf16")
 DTYPES = ("float32", "bfloat16", "auto")
