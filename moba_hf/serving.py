@@ -20,8 +20,13 @@ from typing import Any
 from . import logs
 from .config import MobaConfig, read_config_file
 from .integration import rope_remap
+from .integration.support import check_supported
+from .options import kv_cache_dtype
 
 ENV = "MOBA_HF_CONFIG"
+# model classes the server plugins run: their attention layers hand the backend post-RoPE q / k of plain causal
+# self-attention (the end-to-end tests run LlamaForCausalLM)
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 QWEN_DCA_SOURCE = "the checkpoint's dual_chunk_attention_config"
 
 
@@ -72,9 +77,91 @@ def read_source(raw: Any, where: str) -> tuple[MobaConfig, dict[str, Any]]:
         raise MobaSetupError(f"moba_hf: bad MoBA config from {where}: {err}") from None
 
 
+def find_config(
+    overrides: dict[str, Any], override_flag: str, hf_config: Any, text_config: Any
+) -> tuple[MobaConfig, dict[str, Any], str] | None:
+    """(config, serving options, where it came from) from the first place that has one (`find_source`), or None;
+    a bad config raises `MobaSetupError` naming its place."""
+    found = find_source(overrides, override_flag, hf_config, text_config)
+    if found is None:
+        return None
+    raw, where = found
+    config, serving = read_source(raw, where)
+    return config, serving, where
+
+
+def check_model(server: str, architectures: list[str], text_config: Any, where: str) -> None:
+    """Refuse a checkpoint the plugin of `server` ("vLLM") cannot serve exactly: its model class (`architectures`),
+    and what `integration.support.check_supported` reads in its language model's config."""
+    if not set(architectures) & set(ARCHITECTURES):
+        raise MobaSetupError(
+            f"moba_hf: the {server} plugin supports {', '.join(ARCHITECTURES)}; this checkpoint is "
+            f"{', '.join(architectures) or 'of unknown architecture'} (MoBA config from {where})"
+        )
+    try:
+        check_supported(text_config)
+    except ValueError as err:
+        raise MobaSetupError(f"moba_hf (MoBA config from {where}): {err}") from None
+
+
+def dense_layers(config: MobaConfig, text_config: Any, where: str) -> frozenset[int]:
+    """The indices of the model's full-attention layers under `config`."""
+    try:
+        return config.full_layer_set(text_config.num_hidden_layers)
+    except ValueError as err:
+        raise MobaSetupError(f"moba_hf: bad MoBA config from {where}: {err}") from None
+
+
+def check_serving_options(
+    serving: dict[str, Any],
+    where: str,
+    *,
+    server: str,
+    cache_dtype: str,
+    cache_note: str,
+    context: tuple[str, int, str],
+) -> None:
+    """Refuse a server file's serving options (`kv_cache_dtype`, `max_context_tokens`) that the running server
+    contradicts. server: its name in messages ("vLLM"); cache_dtype: the dtype its KV cache holds (the model's,
+    as vLLM names dtypes); cache_note: how it came to that dtype; context: (the server's name for its context
+    length, its value, the flag that sets it)."""
+    spelled = serving.get("kv_cache_dtype")
+    if spelled is not None:
+        try:  # the file's spelling (fp16, half, bf16 ...) as vLLM names it
+            wanted = kv_cache_dtype(spelled)
+        except ValueError as err:
+            raise MobaSetupError(f"moba_hf: {where}: {err}") from None
+        if wanted not in ("auto", cache_dtype):
+            asked = repr(wanted) if spelled == wanted else f"{spelled!r} ({wanted})"
+            raise MobaSetupError(
+                f"moba_hf: {where} asks for kv_cache_dtype={asked} but {server}'s KV cache is {cache_dtype} "
+                f"({cache_note}), and the MoBA kernels read a cache in the model's dtype: start {server} with "
+                f"--dtype {wanted} (the cache follows it with --kv-cache-dtype auto, the default), or drop "
+                "kv_cache_dtype from the file"
+            )
+    limit = serving.get("max_context_tokens")
+    name, length, flag = context
+    if limit is not None and length > int(limit):
+        raise MobaSetupError(
+            f"moba_hf: {where} allows max_context_tokens={limit} but {server} runs {name}={length}; pass {flag} {limit}"
+        )
+
+
 def dca_on(config: MobaConfig, text_config: Any) -> bool:
     """DCA from the MoBA config, or (none there) from the checkpoint's dual_chunk_attention_config."""
     return config.dca is not False and (config.dca is not None or rope_remap.qwen_dca_block(text_config) is not None)
 
 
-__all__ = ["ENV", "QWEN_DCA_SOURCE", "MobaSetupError", "dca_on", "find_source", "read_source"]
+__all__ = [
+    "ARCHITECTURES",
+    "ENV",
+    "QWEN_DCA_SOURCE",
+    "MobaSetupError",
+    "check_model",
+    "check_serving_options",
+    "dca_on",
+    "dense_layers",
+    "find_config",
+    "find_source",
+    "read_source",
+]

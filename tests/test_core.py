@@ -9,7 +9,8 @@ from moba_hf import MobaConfig, core
 from moba_hf.dca.config import DcaParams
 from moba_hf.kernels.pooling import BlockStats, pooled_keys
 from moba_hf.kernels.rope import default_inv_freq
-from moba_hf.vllm.paged import PagedGateKeys, flash_layout, moba_paged
+from moba_hf.vllm.layouts import flash_layout
+from moba_hf.vllm.paged import PagedGateKeys, moba_paged
 
 DCA = core.Dca(DcaParams(pretraining_length=96, chunk_size=64), default_inv_freq(8, 10000.0))
 

@@ -20,8 +20,9 @@ from vllm.v1.attention.backends import triton_attn
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from moba_hf import MobaConfig, causal_attention
-from moba_hf.vllm import gpu_backend, routing, startup
-from moba_hf.vllm.paged import PagedGateKeys, flash_layout, gather_sequence
+from moba_hf.vllm import gpu_backend, layouts, routing, startup
+from moba_hf.vllm.layouts import flash_layout
+from moba_hf.vllm.paged import PagedGateKeys, gather_sequence
 
 # physical axis orders of one layer's logical (num_pages, kv_heads, page, 2 * D) cache, one per vLLM layout
 ORDERS = sorted({layout.layer_view_order for layout in KVCacheLayout})
@@ -60,7 +61,7 @@ def flash_write(kv_cache, k, v, slots):
 
 
 READERS = {
-    **{f"triton-{name}": (triton_cache(order), triton_write, gpu_backend.triton_layout) for name, order in
+    **{f"triton-{name}": (triton_cache(order), triton_write, layouts.triton_layout) for name, order in
        zip(ORDER_IDS, ORDERS, strict=True)},
     "flash-5d": (flash_cache, flash_write, flash_layout),
 }  # fmt: skip
@@ -78,13 +79,13 @@ def test_mixed_batch_over_gpu_layout_equals_moba_attention_per_sequence(reader, 
 @pytest.mark.parametrize("case", list(paged_cases.DCA_CONFIGS))
 @pytest.mark.parametrize("order", ORDERS, ids=ORDER_IDS)
 def test_paged_dca_over_gpu_layout_equals_dca_per_sequence(order, case):
-    paged_cases.check_dca_mixed_batch(case, triton_cache(order), triton_write, gpu_backend.triton_layout)
+    paged_cases.check_dca_mixed_batch(case, triton_cache(order), triton_write, layouts.triton_layout)
 
 
 @pytest.mark.parametrize("order", ORDERS, ids=ORDER_IDS)
 def test_triton_layout_is_a_view_of_the_cache(order):
     kv_cache = triton_cache(order)(5)
-    key_cache, value_cache = gpu_backend.triton_layout(kv_cache)
+    key_cache, value_cache = layouts.triton_layout(kv_cache)
     kv_cache[3, 1, 7, :D], kv_cache[3, 1, 7, D:] = 1.0, 2.0
     assert key_cache[3, 1, 7].eq(1).all() and value_cache[3, 1, 7].eq(2).all()
     assert key_cache.sum() == D and value_cache.sum() == 2 * D  # nothing else moved
@@ -108,19 +109,19 @@ def vllm_op(monkeypatch):
 
 @pytest.mark.parametrize("order", ORDERS, ids=ORDER_IDS)
 def test_cache_layout_check_refuses_a_wrong_reader(order, vllm_op, monkeypatch):
-    gpu_backend.check_cache_layout(torch.float32, 32, 64, "cpu", order)
+    layouts.check_triton_layout(torch.float32, 32, 64, "cpu", order)
 
     # a reader that takes the page's positions for heads (a reshape where the view needs a transpose) is refused
     def wrong(kv):
         return tuple(x.reshape(x.shape[0], x.shape[2], x.shape[1], -1).transpose(1, 2) for x in kv.split(64, -1))
 
-    monkeypatch.setattr(gpu_backend, "triton_layout", wrong)
+    monkeypatch.setattr(layouts, "triton_layout", wrong)
     with pytest.raises(startup.MobaSetupError, match="Triton KV cache layout"):
-        gpu_backend.check_cache_layout(torch.float32, 32, 64, "cpu", order)
+        layouts.check_triton_layout(torch.float32, 32, 64, "cpu", order)
     # keys and values swapped
-    monkeypatch.setattr(gpu_backend, "triton_layout", lambda kv: kv.split(64, -1)[::-1])
+    monkeypatch.setattr(layouts, "triton_layout", lambda kv: kv.split(64, -1)[::-1])
     with pytest.raises(startup.MobaSetupError, match="Triton KV cache layout"):
-        gpu_backend.check_cache_layout(torch.float32, 32, 64, "cpu", order)
+        layouts.check_triton_layout(torch.float32, 32, 64, "cpu", order)
 
 
 # --- the GPU impl itself on CPU tensors: vLLM's Triton builder and impl with the MoBA mixins ----------------------
@@ -219,7 +220,7 @@ def test_gpu_impl_forward_equals_the_kernels_per_sequence(moba_engine, moba, lay
     assert isinstance(meta, routing.MobaFields) and meta.seq_len_list == SEQ_LENS
     impl.do_kv_cache_update(Layer(layer), key, value, kv_cache, slots)
     if impl._sparse_decode(Layer(layer)):  # the pooled keys kept beside the pages: those of the written cache
-        key_cache = gpu_backend.triton_layout(kv_cache)[0]
+        key_cache = layouts.triton_layout(kv_cache)[0]
         full = PagedGateKeys(key_cache, config.block_size, config.pooling)
         full.update(key_cache, torch.arange(kv_cache.shape[0]))
         torch.testing.assert_close(impl._gate_keys[1].stats, full.stats)

@@ -15,7 +15,7 @@ from moba_hf import MobaConfig, moba_attention
 from moba_hf.dca.config import DcaParams
 from moba_hf.kernels.pooling import pooled_keys
 from moba_hf.kernels.rope import default_inv_freq, rotate
-from moba_hf.vllm import backend, startup
+from moba_hf.vllm import layouts, startup
 from moba_hf.vllm.paged import PagedDca, PagedGateKeys, dense_decodes, moba_paged
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,13 +37,13 @@ def paged_batch(seq_lens, query_lens, seed=0):
 def test_mixed_batch_equals_moba_attention_per_sequence(config, pooled_beside_pages):
     batch = paged_batch(SEQ_LENS, QUERY_LENS)
     paged_cases.check_mixed_batch(
-        paged_cases.CONFIGS[config], batch, backend.cpu_layout, pooled_beside_pages=pooled_beside_pages
+        paged_cases.CONFIGS[config], batch, layouts.cpu_layout, pooled_beside_pages=pooled_beside_pages
     )
 
 
 def test_skip_decodes_leaves_decode_rows_to_the_caller():
     kv_cache, table, starts, _, _, query, key, value = paged_batch(SEQ_LENS, QUERY_LENS)
-    key_cache, value_cache = backend.cpu_layout(kv_cache)
+    key_cache, value_cache = layouts.cpu_layout(kv_cache)
     output = torch.full_like(query, float("nan"))
     moba_paged(
         query, key, value, key_cache, value_cache, output, query_start_loc=starts, seq_lens=SEQ_LENS,
@@ -71,7 +71,7 @@ def write_in_steps(kv_cache, pages, keys, values, steps, gate_keys):
     for n in steps:
         part = slice(done, done + n)
         ops.cpu_attn_reshape_and_cache(keys[part], values[part], k_view, v_view, slots[part], "vec")
-        gate_keys.update(backend.cpu_layout(kv_cache)[0], torch.unique(slots[part] // PAGE))
+        gate_keys.update(layouts.cpu_layout(kv_cache)[0], torch.unique(slots[part] // PAGE))
         done += n
 
 
@@ -79,7 +79,7 @@ def decode_step(config, kv_cache, pages, keys, values, query, gate_keys):
     """The plugin's sparse decode step of one sequence (its last key is the query's) and `moba_attention`'s answer."""
     length = keys.shape[0]
     output = torch.full_like(query, float("nan"))
-    key_cache, value_cache = backend.cpu_layout(kv_cache)
+    key_cache, value_cache = layouts.cpu_layout(kv_cache)
     moba_paged(
         query, keys[-1:], values[-1:], key_cache, value_cache, output, query_start_loc=[0, 1], seq_lens=[length],
         block_table=pages[None].int(), config=config, scale=D**-0.5, gate_keys=gate_keys,
@@ -109,7 +109,7 @@ def test_sparse_decode_over_pooled_keys_equals_moba_attention(config, length):
     kv_cache = torch.randn(n_pages + 4, HKV, PAGE, 2 * D, generator=gen)  # pages hold an earlier sequence's data
     pages = torch.randperm(n_pages + 4, generator=gen)[:n_pages]
     keys, values = torch.randn(length, HKV, D, generator=gen), torch.randn(length, HKV, D, generator=gen)
-    gate_keys = PagedGateKeys(backend.cpu_layout(kv_cache)[0], config.block_size, config.pooling)
+    gate_keys = PagedGateKeys(layouts.cpu_layout(kv_cache)[0], config.block_size, config.pooling)
     gate_keys.stats.normal_(generator=gen)  # summaries of the earlier data, stale until the pages are rewritten
     prompt = max(length - 5, 1)
     write_in_steps(kv_cache, pages, keys, values, [prompt] + [1] * (length - prompt), gate_keys)
@@ -127,7 +127,7 @@ def test_pooled_keys_beside_the_pages_equal_pooled_keys():
             kv_cache = torch.randn(n_pages + 2, HKV, PAGE, 2 * D, generator=gen)
             pages = torch.randperm(n_pages + 2, generator=gen)[:n_pages]
             keys, values = torch.randn(length, HKV, D, generator=gen), torch.randn(length, HKV, D, generator=gen)
-            gate_keys = PagedGateKeys(backend.cpu_layout(kv_cache)[0], block, pooling)
+            gate_keys = PagedGateKeys(layouts.cpu_layout(kv_cache)[0], block, pooling)
             write_in_steps(kv_cache, pages, keys, values, [block + 3, 2 * block - 1] + [1] * (2 * block + 5), gate_keys)
             got = gate_keys.block_keys(pages, length)
             want = pooled_keys(keys.transpose(0, 1)[None], block, pooling)
@@ -145,7 +145,7 @@ def test_sparse_decode_propagates_nan_and_inf_as_moba_attention(bad):
     keys, values = torch.randn(length, HKV, D, generator=gen), torch.randn(length, HKV, D, generator=gen)
     keys[40, 1, 3] = float(bad)  # a key in block 1 of KV head 1
     values[70, 0, 5] = float(bad)  # a value in block 2 of KV head 0
-    gate_keys = PagedGateKeys(backend.cpu_layout(kv_cache)[0], config.block_size, config.pooling)
+    gate_keys = PagedGateKeys(layouts.cpu_layout(kv_cache)[0], config.block_size, config.pooling)
     write_in_steps(kv_cache, pages, keys, values, [length], gate_keys)
     query = torch.randn(1, HQ, D, generator=gen)
     got, want = decode_step(config, kv_cache, pages, keys, values, query, gate_keys)
@@ -155,7 +155,7 @@ def test_sparse_decode_propagates_nan_and_inf_as_moba_attention(bad):
 
 @pytest.mark.parametrize("case", list(paged_cases.DCA_CONFIGS))
 def test_paged_dca_mixed_batch_equals_dca_per_sequence(case):
-    paged_cases.check_dca_mixed_batch(case, lambda n: torch.zeros(n, HKV, PAGE, 2 * D), write_cpu, backend.cpu_layout)
+    paged_cases.check_dca_mixed_batch(case, lambda n: torch.zeros(n, HKV, PAGE, 2 * D), write_cpu, layouts.cpu_layout)
 
 
 def test_dca_deltas_follow_the_sequence_positions():
@@ -172,15 +172,15 @@ def test_dca_deltas_follow_the_sequence_positions():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("isa", ["vec", "vec16"])
 def test_cache_layout_check_reads_vllm_layout(isa, dtype, monkeypatch):
-    backend.check_cache_layout(isa, dtype, 128, 64)  # vLLM's own op writes a layout the plugin reads back
+    layouts.check_cpu_layout(isa, dtype, 128, 64)  # vLLM's own op writes a layout the plugin reads back
     # the check compares what it reads with what vLLM wrote: a reader with the page's positions reversed is refused
-    real = backend.cpu_layout
-    monkeypatch.setattr(backend, "cpu_layout", lambda kv_cache: (real(kv_cache)[0].flip(-1), real(kv_cache)[1]))
+    real = layouts.cpu_layout
+    monkeypatch.setattr(layouts, "cpu_layout", lambda kv_cache: (real(kv_cache)[0].flip(-1), real(kv_cache)[1]))
     with pytest.raises(startup.MobaSetupError, match=f"layout for isa={isa!r}"):
-        backend.check_cache_layout(isa, dtype, 128, 64)
+        layouts.check_cpu_layout(isa, dtype, 128, 64)
 
 
 @pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="needs a CPU with AMX")
 def test_cache_layout_check_refuses_amx_layout():
     with pytest.raises(startup.MobaSetupError, match="layout for isa='amx'"):
-        backend.check_cache_layout("amx", torch.bfloat16, 128, 64)
+        layouts.check_cpu_layout("amx", torch.bfloat16, 128, 64)

@@ -12,7 +12,7 @@ from engines import MAX_MODEL_LEN, model_path
 
 from moba_hf import MobaConfig
 from moba_hf.dca.config import DcaParams
-from moba_hf.vllm import routing, startup
+from moba_hf.vllm import startup
 
 ROOT = Path(__file__).resolve().parents[1]
 HQ, HKV, D = 6, 2, 64
@@ -28,28 +28,28 @@ def vllm_config(model: str | None = None, **kwargs):
 
 def test_no_moba_config_leaves_vllm_alone(monkeypatch):
     monkeypatch.delenv(startup.ENV, raising=False)
-    assert routing.setup(vllm_config()) is None
+    assert startup.setup(vllm_config()) is None
 
 
 def test_a_null_moba_config_override_turns_moba_off(monkeypatch, tmp_path):
     """null means "no MoBA": not the defaults, and not the environment's or the checkpoint's config either."""
     monkeypatch.setenv(startup.ENV, "training-free")
-    assert routing.setup(vllm_config(hf_overrides={"moba_config": None})) is None
+    assert startup.setup(vllm_config(hf_overrides={"moba_config": None})) is None
 
 
 def test_sources_and_precedence(monkeypatch):
     monkeypatch.setenv(startup.ENV, "training-free")
-    config, dense, dca = routing.setup(vllm_config())
+    config, dense, dca, _ = startup.setup(vllm_config())
     preset = MobaConfig.preset("training-free")
     assert config == preset and dense == preset.full_layer_set(30) and dca is None
-    config, dense, _ = routing.setup(vllm_config(hf_overrides={"moba_config": {"block_size": 256, "top_k": 2}}))
+    config, dense, _, _ = startup.setup(vllm_config(hf_overrides={"moba_config": {"block_size": 256, "top_k": 2}}))
     assert config == MobaConfig(block_size=256, top_k=2) and dense == frozenset()
 
 
 @pytest.mark.parametrize("name", ["long_doc", "chat", "code"])
 def test_serving_configs(name, monkeypatch):
     monkeypatch.setenv(startup.ENV, str(ROOT / "configs" / f"serving_{name}.toml"))
-    config, dense, _ = routing.setup(vllm_config())
+    config, dense, _, _ = startup.setup(vllm_config())
     expected = {
         "long_doc": (MobaConfig(block_size=4096, top_k=4, full_attn_layers=2, decode="full"), {28, 29}),
         "chat": (MobaConfig(block_size=2048, top_k=3, decode="full"), set()),
@@ -87,13 +87,13 @@ def test_refusals(case, monkeypatch):
     monkeypatch.delenv(startup.ENV, raising=False)
     kwargs, message = REFUSALS[case]
     with pytest.raises(startup.MobaSetupError, match=message):
-        routing.setup(vllm_config(**kwargs))
+        startup.setup(vllm_config(**kwargs))
 
 
 def test_refuses_unknown_preset(monkeypatch):
     monkeypatch.setenv(startup.ENV, "no-such-preset")
     with pytest.raises(startup.MobaSetupError, match="neither a preset"):
-        routing.setup(vllm_config())
+        startup.setup(vllm_config())
 
 
 def test_refuses_server_file_limits(monkeypatch, tmp_path):
@@ -101,7 +101,7 @@ def test_refuses_server_file_limits(monkeypatch, tmp_path):
     path.write_text("block_size = 256\ntop_k = 3\nmax_context_tokens = 2048\n")
     monkeypatch.setenv(startup.ENV, str(path))
     with pytest.raises(startup.MobaSetupError, match="max_context_tokens=2048"):
-        routing.setup(vllm_config())
+        startup.setup(vllm_config())
 
 
 @pytest.mark.parametrize("spelling", ["fp16", "float16", "half", "FP16"])
@@ -109,8 +109,8 @@ def test_server_file_kv_cache_dtype_spellings_match_vllm_flags(spelling, monkeyp
     path = tmp_path / "server.toml"
     path.write_text(f'[attention]\ntype = "moba"\nblock_size = 256\n[attention.kv_cache]\ndtype = "{spelling}"\n')
     monkeypatch.setenv(startup.ENV, str(path))
-    assert routing.setup(vllm_config(dtype="float16")) is not None  # the KV cache follows --dtype (auto)
-    assert routing.setup(vllm_config(dtype="half", kv_cache_dtype="float16")) is not None
+    assert startup.setup(vllm_config(dtype="float16")) is not None  # the KV cache follows --dtype (auto)
+    assert startup.setup(vllm_config(dtype="half", kv_cache_dtype="float16")) is not None
 
 
 def test_kv_cache_dtype_refusal_names_flags_vllm_accepts(monkeypatch, tmp_path):
@@ -123,11 +123,11 @@ def test_kv_cache_dtype_refusal_names_flags_vllm_accepts(monkeypatch, tmp_path):
     path.write_text('{"block_size": 256, "kv_cache_dtype": "bf16"}')
     monkeypatch.setenv(startup.ENV, str(path))
     with pytest.raises(startup.MobaSetupError, match="asks for kv_cache_dtype='bfloat16'") as refused:
-        routing.setup(vllm_config())  # float32 model, cache auto
+        startup.setup(vllm_config())  # float32 model, cache auto
     flags = dict(re.findall(r"(--dtype|--kv-cache-dtype) ([\w.]+)", str(refused.value).split("start vLLM with")[1]))
     assert flags["--dtype"] == "bfloat16" and flags["--dtype"] in get_args(ModelDType)
     assert flags["--kv-cache-dtype"] in get_args(CacheDType)
-    assert routing.setup(vllm_config(dtype=flags["--dtype"], kv_cache_dtype=flags["--kv-cache-dtype"])) is not None
+    assert startup.setup(vllm_config(dtype=flags["--dtype"], kv_cache_dtype=flags["--kv-cache-dtype"])) is not None
 
 
 def test_refuses_unsupported_architecture(monkeypatch, tmp_path):
@@ -135,7 +135,7 @@ def test_refuses_unsupported_architecture(monkeypatch, tmp_path):
     path = model_dir(tmp_path, model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=None)
     message = "supports LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM; this checkpoint is MistralForCausalLM"
     with pytest.raises(startup.MobaSetupError, match=message):
-        routing.setup(vllm_config(path))
+        startup.setup(vllm_config(path))
 
 
 def test_refuses_max_model_len_past_the_rope_table(monkeypatch, tmp_path):
@@ -144,10 +144,10 @@ def test_refuses_max_model_len_past_the_rope_table(monkeypatch, tmp_path):
     path = model_dir(tmp_path, max_position_embeddings=2048)
     message = "max_model_len=4096 needs RoPE positions up to 4095, but vLLM's RoPE table covers max_position_embeddings"
     with pytest.raises(startup.MobaSetupError, match=re.escape(message)):
-        routing.setup(vllm_config(path, hf_overrides={"moba_config": {"block_size": 128}}))
+        startup.setup(vllm_config(path, hf_overrides={"moba_config": {"block_size": 128}}))
     # raising the table through --hf-overrides is accepted
     raised = {"moba_config": {"block_size": 128}, "max_position_embeddings": 4096}
-    assert routing.setup(vllm_config(path, hf_overrides=raised)) is not None
+    assert startup.setup(vllm_config(path, hf_overrides=raised)) is not None
 
 
 def test_refuses_sliding_window(monkeypatch, tmp_path):
@@ -157,7 +157,7 @@ def test_refuses_sliding_window(monkeypatch, tmp_path):
         sliding_window=1024, max_window_layers=0,
     )  # fmt: skip
     with pytest.raises(startup.MobaSetupError, match="sliding"):
-        routing.setup(vllm_config(path))
+        startup.setup(vllm_config(path))
 
 
 # --- Dual Chunk Attention: where the engine finds it, and what it refuses ------------------------------------------
@@ -180,22 +180,22 @@ def test_dca_from_the_moba_config(monkeypatch):
 
     monkeypatch.delenv(startup.ENV, raising=False)
     moba = {"sparse": False, "dca": {"pretraining_length": 1024, "temperature": True}}
-    setup = routing.setup(vllm_config(hf_overrides={"moba_config": moba}))
+    setup = startup.setup(vllm_config(hf_overrides={"moba_config": moba}))
     assert setup.dca.params == DcaParams(pretraining_length=1024, chunk_size=896, temperature=True)
     model = AutoConfig.from_pretrained(model_path())
     head_dim = model.hidden_size // model.num_attention_heads
     want = 1.0 / model.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim)
     torch.testing.assert_close(setup.dca.inv_freq, want)
     moba = {"block_size": 128, "top_k": 2, "dca": {"pretraining_length": 1024}}
-    assert routing.setup(vllm_config(hf_overrides={"moba_config": moba})).dca.params.chunk_size == 896
+    assert startup.setup(vllm_config(hf_overrides={"moba_config": moba})).dca.params.chunk_size == 896
 
 
 def test_qwen_dual_chunk_attention_config_turns_dense_dca_on(monkeypatch, tmp_path):
     monkeypatch.delenv(startup.ENV, raising=False)
     path = qwen_dir(tmp_path, dual_chunk_attention_config=QWEN_DCA)
-    config, dense, dca = routing.setup(vllm_config(path))
+    config, dense, dca, _ = startup.setup(vllm_config(path))
     assert config == MobaConfig(sparse=False) and dca.params == DcaParams(pretraining_length=1024, chunk_size=896)
-    off = routing.setup(vllm_config(path, hf_overrides={"moba_config": {"block_size": 128, "dca": False}}))
+    off = startup.setup(vllm_config(path, hf_overrides={"moba_config": {"block_size": 128, "dca": False}}))
     assert off.dca is None and off.config.sparse
 
 
@@ -203,7 +203,7 @@ def test_dca_accepts_llama3_rope(monkeypatch, tmp_path):
     monkeypatch.delenv(startup.ENV, raising=False)
     path = model_dir(tmp_path, rope_scaling=LLAMA3_ROPE)
     moba = {"sparse": False, "dca": {"pretraining_length": 1024}}
-    assert routing.setup(vllm_config(path, hf_overrides={"moba_config": moba})).dca is not None
+    assert startup.setup(vllm_config(path, hf_overrides={"moba_config": moba})).dca is not None
 
 
 def test_dca_past_the_window_with_a_raised_rope_table(monkeypatch):
@@ -211,7 +211,7 @@ def test_dca_past_the_window_with_a_raised_rope_table(monkeypatch):
     monkeypatch.delenv(startup.ENV, raising=False)
     moba = {"sparse": False, "dca": {"pretraining_length": 4096, "temperature": True}}
     overrides = {"max_position_embeddings": 16384, "moba_config": moba}
-    setup = routing.setup(vllm_config(hf_overrides=overrides, max_model_len=16384))
+    setup = startup.setup(vllm_config(hf_overrides=overrides, max_model_len=16384))
     assert setup.dca.params == DcaParams(pretraining_length=4096, chunk_size=3584, temperature=True)
 
 
@@ -259,7 +259,7 @@ def test_dca_refusals(case, monkeypatch, tmp_path):
     checkpoint, kwargs, message = DCA_REFUSALS[case]
     path = model_dir(tmp_path, **checkpoint) if checkpoint else None
     with pytest.raises(startup.MobaSetupError, match=re.escape(message)):
-        routing.setup(vllm_config(path, **kwargs))
+        startup.setup(vllm_config(path, **kwargs))
 
 
 def test_plain_rope_replaces_dual_chunk_rope():

@@ -14,16 +14,20 @@ from typing import Any, NamedTuple
 import torch
 
 from ..config import MobaConfig
-from ..integration.support import check_supported
-from ..options import kv_cache_dtype
-from ..serving import ENV, MobaSetupError, dca_on, find_source, read_source
+from ..serving import (
+    ARCHITECTURES,
+    ENV,
+    MobaSetupError,
+    check_model,
+    check_serving_options,
+    dca_on,
+    dense_layers,
+    find_config,
+)
 
 logger = logging.getLogger("moba_hf")
 
 OVERRIDE_FLAG = "--json-model-override-args"
-# SGLang model classes the plugin runs: their RadixAttention hands the backend post-RoPE q / k of plain causal
-# self-attention (the end-to-end tests run LlamaForCausalLM)
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 class Setup(NamedTuple):
@@ -35,12 +39,7 @@ class Setup(NamedTuple):
 def resolve(model_config: Any) -> tuple[MobaConfig, dict[str, Any], str] | None:
     """(config, serving options, where it came from) from an SGLang `ModelConfig`, or None without one."""
     overrides = getattr(model_config, "model_override_args", None) or {}
-    found = find_source(overrides, OVERRIDE_FLAG, model_config.hf_config, model_config.hf_text_config)
-    if found is None:
-        return None
-    raw, where = found
-    config, serving = read_source(raw, where)
-    return config, serving, where
+    return find_config(overrides, OVERRIDE_FLAG, model_config.hf_config, model_config.hf_text_config)
 
 
 def check(
@@ -49,16 +48,7 @@ def check(
     """Refuse what the plugin cannot serve exactly; return the dense (full-attention) layer indices.
     cache_dtype: the dtype of SGLang's KV pool."""
     hf_config = model_config.hf_text_config
-    architectures = list(getattr(model_config.hf_config, "architectures", None) or [])
-    if not set(architectures) & set(ARCHITECTURES):
-        raise MobaSetupError(
-            f"moba_hf: the SGLang plugin supports {', '.join(ARCHITECTURES)}; this checkpoint is "
-            f"{', '.join(architectures) or 'of unknown architecture'} (MoBA config from {where})"
-        )
-    try:
-        check_supported(hf_config)
-    except ValueError as err:
-        raise MobaSetupError(f"moba_hf (MoBA config from {where}): {err}") from None
+    check_model("SGLang", list(getattr(model_config.hf_config, "architectures", None) or []), hf_config, where)
     if dca_on(config, hf_config):
         raise MobaSetupError(
             f"moba_hf: Dual Chunk Attention (from {where}) is not served by the SGLang plugin; serve it with "
@@ -71,29 +61,15 @@ def check(
             f"{str(model_dtype).removeprefix('torch.')}; the MoBA kernels read a cache in the model's dtype: start "
             "SGLang with --kv-cache-dtype auto (the default)"
         )
-    if serving.get("kv_cache_dtype") is not None:
-        spelled = serving["kv_cache_dtype"]
-        try:
-            wanted = kv_cache_dtype(spelled)
-        except ValueError as err:
-            raise MobaSetupError(f"moba_hf: {where}: {err}") from None
-        runs = str(model_dtype).removeprefix("torch.")
-        if wanted not in ("auto", runs):
-            raise MobaSetupError(
-                f"moba_hf: {where} asks for kv_cache_dtype={spelled!r} but SGLang's KV cache is {runs} (the "
-                f"model's dtype): start SGLang with --dtype {wanted}, or drop "
-                "kv_cache_dtype from the file"
-            )
-    limit = serving.get("max_context_tokens")
-    if limit is not None and model_config.context_len > int(limit):
-        raise MobaSetupError(
-            f"moba_hf: {where} allows max_context_tokens={limit} but SGLang runs context_len="
-            f"{model_config.context_len}; pass --context-length {limit}"
-        )
-    try:
-        return config.full_layer_set(hf_config.num_hidden_layers)
-    except ValueError as err:
-        raise MobaSetupError(f"moba_hf: bad MoBA config from {where}: {err}") from None
+    check_serving_options(
+        serving,
+        where,
+        server="SGLang",
+        cache_dtype=str(model_dtype).removeprefix("torch."),
+        cache_note="the model's dtype",
+        context=("context_len", model_config.context_len, "--context-length"),
+    )
+    return dense_layers(config, hf_config, where)
 
 
 def setup(model_config: Any, cache_dtype: torch.dtype) -> Setup | None:

@@ -16,19 +16,19 @@ vLLM calls `register` in every process it starts; it records class paths (a back
 vLLM builds its attention layers) and may run more than once. With no MoBA config anywhere every registered
 class behaves exactly as the vLLM backend it replaces (see `startup`).
 
-    platform  registered                                        picked
-    CPU       CPU_ATTN, CUSTOM -> backend (over vLLM's CPU one)   always (vLLM's CPU platform has one backend)
-    CUDA      TRITON_ATTN, CUSTOM -> gpu_backend (over Triton)    with a MoBA config: FLASH_ATTN and FLASHINFER
-              FLASH_ATTN, FLASHINFER -> guards                    refuse it, so vLLM's choice falls to TRITON_ATTN
-    other     TRITON_ATTN, CUSTOM -> gpu_backend                  where vLLM picks them, a MoBA config is refused
-                                                                  naming the platform (MoBA runs on CPU and CUDA)
+    platform  registered                                          picked
+    CPU       CPU_ATTN, CUSTOM -> cpu_backend (over vLLM's CPU one)  always (vLLM's CPU platform has one backend)
+    CUDA      TRITON_ATTN, CUSTOM -> gpu_backend (over Triton)      with a MoBA config: FLASH_ATTN and FLASHINFER
+              FLASH_ATTN, FLASHINFER -> guards                      refuse it, so vLLM's choice falls to TRITON_ATTN
+    other     TRITON_ATTN, CUSTOM -> gpu_backend                    where vLLM picks them, a MoBA config is refused
+                                                                    naming the platform (MoBA runs on CPU and CUDA)
 
 It also puts plain RoPE in place of vLLM's `DualChunkRotaryEmbedding` (see `rope`): DCA runs in the backend.
 """
 
 from __future__ import annotations
 
-BACKEND = "moba_hf.vllm.backend.MobaAttentionBackend"
+BACKEND = "moba_hf.vllm.cpu_backend.MobaAttentionBackend"
 GPU_BACKEND = "moba_hf.vllm.gpu_backend.MobaTritonAttentionBackend"
 GUARDS = {
     "FLASH_ATTN": "moba_hf.vllm.guards.FlashAttentionBackend",

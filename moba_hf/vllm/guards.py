@@ -29,11 +29,11 @@ def moba_reason() -> str | None:
     vllm_config = get_current_vllm_config()
     if vllm_config.model_config is None:  # a process that selects backends without a model (none to serve)
         return None
-    found = startup.resolve(vllm_config)
+    found = startup.setup(vllm_config)
     if found is None:
         return None
     return (
-        f"moba_hf: a MoBA config is set ({found[2]}) and MoBA runs in the Triton backend: "
+        f"moba_hf: a MoBA config is set ({found.where}) and MoBA runs in the Triton backend: "
         "use --attention-backend TRITON_ATTN (or CUSTOM), or none"
     )
 

@@ -32,27 +32,6 @@ from ..kernels.pooling import BlockStats
 from ..kernels.rope import rotate
 
 
-# --- cache layouts ------------------------------------------------------------------------------------------
-# Every reader below takes one layer's pages as two views in one index order, (num_pages, kv_heads, page_size,
-# head_dim), whatever the strides: a layout function turns a backend's cache tensor into them without a copy.
-def cpu_layout(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's CPU backend: (num_pages, kv_heads, page, 2 * D) holds, per page and head, the keys as (D, page)
-    then the values as (page, D)."""
-    num_pages, num_kv_heads, page, double = kv_cache.shape
-    d = double // 2
-    pairs = kv_cache.view(num_pages, num_kv_heads, 2, page * d)
-    keys = pairs[:, :, 0].unflatten(-1, (d, page)).transpose(2, 3)
-    return keys, pairs[:, :, 1].unflatten(-1, (page, d))
-
-
-def flash_layout(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's FlashAttention and Triton backends: (num_pages, 2, page, kv_heads, D), keys then values."""
-    return kv_cache[:, 0].transpose(1, 2), kv_cache[:, 1].transpose(1, 2)
-
-
-LAYOUTS = {"cpu": cpu_layout, "flash": flash_layout}
-
-
 def gather_sequence(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` positions of one sequence: (kv_heads, length, head_dim).
 
@@ -191,7 +170,7 @@ def moba_paged(
     """Write attention of every sequence's queries into `output`, in place.
 
     query: (tokens, q_heads, D); key, value: (tokens, kv_heads, D), the new tokens (already in the cache);
-    key_cache, value_cache: (num_pages, kv_heads, page_size, D), a layout's views (`LAYOUTS`) of vLLM's cache;
+    key_cache, value_cache: (num_pages, kv_heads, page_size, D), a layout's views (`layouts`) of vLLM's cache;
     output: (tokens, q_heads, D);
     query_start_loc: (num_seqs + 1,) token offsets; seq_lens: (num_seqs,) keys per sequence including the new
     ones; block_table: (num_seqs, max_pages). skip: sequences (indices) the caller computes (decode steps it

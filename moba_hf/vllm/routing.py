@@ -1,6 +1,6 @@
 """What the CPU and GPU MoBA backends share: the config of a layer, the metadata added to vLLM's, the routing of
-each layer and token, the DCA moves. Each backend (`backend` over vLLM's CPU backend, `gpu_backend` over its Triton
-backend) is a subclass of vLLM's classes with these mixins first and a cache layout function (`paged.LAYOUTS`)::
+each layer and token, the DCA moves. Each backend (`cpu_backend` over vLLM's CPU backend, `gpu_backend` over its
+Triton backend) is a subclass of vLLM's classes with these mixins first and a cache layout function (`layouts`)::
 
     layer dense (full_attn_layers / ids) or sparse = false  ->  vLLM's kernel, the whole batch
     prefill tokens (a prompt, a chunk, a prompt after a cached prefix)  ->  moba_attention per sequence
@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import logging
-from collections.abc import Callable
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config
@@ -30,32 +28,9 @@ from vllm.forward_context import get_forward_context, is_forward_context_availab
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 
-from .. import logs
-from ..config import MobaConfig
 from . import startup
+from .layouts import Layout
 from .paged import PagedDca, PagedGateKeys, dense_decodes, moba_paged
-
-# a backend's cache tensor -> key and value views (num_pages, kv_heads, page_size, head_dim), any strides
-Layout = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
-
-class Setup(NamedTuple):
-    config: MobaConfig
-    dense: frozenset[int]  # layer indices of full attention
-    dca: PagedDca | None
-
-
-def setup(vllm_config: VllmConfig) -> Setup | None:
-    """The engine's MoBA config, checked (refusals raise `startup.MobaSetupError`), or None without one; the
-    first call per config source logs it."""
-    found = startup.resolve(vllm_config)
-    if found is None:
-        return None
-    config, serving, where = found
-    dense = startup.check(vllm_config, config, serving, where)
-    dca = startup.dca_setup(vllm_config, config, where)
-    logs.once(logging.WARNING, startup.describe(config, dense, where, dca))
-    return Setup(config, dense, dca)
 
 
 def platform_kind() -> str:
@@ -92,7 +67,7 @@ class MobaBuilderMixin:
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: VllmConfig, device: Any) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        found = setup(vllm_config)
+        found = startup.setup(vllm_config)
         self.moba = found.config if found is not None else None
         self.dca = found.dca if found is not None else None
         if self.moba is not None:
@@ -176,7 +151,7 @@ class MobaImplMixin:
         self, attn_type: str, sliding_window: Any, alibi_slopes: Any, logits_soft_cap: Any, sinks: Any
     ) -> None:
         """After vLLM's __init__: this layer's config, and the refusals that need the layer's arguments."""
-        found = setup(get_current_vllm_config()) if attn_type == AttentionType.DECODER else None
+        found = startup.setup(get_current_vllm_config()) if attn_type == AttentionType.DECODER else None
         self.moba = found.config if found is not None else None
         self.dense_layers = found.dense if found is not None else frozenset()
         self.dca = found.dca if found is not None else None
@@ -264,9 +239,12 @@ class MobaImplMixin:
         meta = attn_metadata
         key_cache, value_cache = type(self).layout(kv_cache)
         paged = dict(
-            query_start_loc=meta.query_start_list, seq_lens=meta.seq_len_list, block_table=meta.block_table,
-            config=self.moba, scale=self.scale,
-        )  # fmt: skip
+            query_start_loc=meta.query_start_list,
+            seq_lens=meta.seq_len_list,
+            block_table=meta.block_table,
+            config=self.moba,
+            scale=self.scale,
+        )
         if self.dca is not None:
             dca = self._dca_on(query.device)
             if meta.dca_delta is not None:  # the same move do_kv_cache_update gave the keys in the cache
@@ -300,14 +278,27 @@ def dca_delta(layer: Any) -> torch.Tensor | None:
     return meta.dca_delta if isinstance(meta, MobaFields) else None
 
 
+class MobaBackendMixin:
+    """Before a vLLM attention backend class: its impl and metadata builder are the MoBA ones the subclass names."""
+
+    impl_cls: ClassVar[type]
+    builder_cls: ClassVar[type]
+
+    @classmethod
+    def get_impl_cls(cls) -> type:
+        return cls.impl_cls
+
+    @classmethod
+    def get_builder_cls(cls) -> type:
+        return cls.builder_cls
+
+
 __all__ = [
-    "Layout",
+    "MobaBackendMixin",
     "MobaBuilderMixin",
     "MobaFields",
     "MobaImplMixin",
-    "Setup",
     "dca_delta",
     "decode_sub_batch",
     "platform_kind",
-    "setup",
 ]

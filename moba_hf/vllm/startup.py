@@ -1,34 +1,40 @@
 """Which MobaConfig a vLLM engine runs, and the refusals that keep a bad setup from starting.
 
-One schema, three places, the first found wins:
-  1. ``--hf-overrides '{"moba_config": {...}}'`` (or a preset name / file path as the value),
-  2. ``MOBA_HF_CONFIG=<preset name or .toml/.json/.yaml file>`` in the environment,
-  3. ``moba_config`` in the checkpoint's config.json (what ``save_pretrained`` writes).
-``--hf-overrides '{"moba_config": null}'`` turns MoBA off whatever the other two say.
-None of them but Qwen's ``dual_chunk_attention_config`` in config.json (Qwen2.5-1M): dense DCA with its
-settings, ``MobaConfig(sparse=False)``. None at all: the plugin stays out of the way and vLLM's own attention
-runs.
+The sources and their order are every server plugin's (`serving.find_source`): ``--hf-overrides
+'{"moba_config": {...}}'`` (a null value turns MoBA off), then ``MOBA_HF_CONFIG``, then the checkpoint's
+config.json; Qwen's ``dual_chunk_attention_config`` alone gives dense DCA. None at all: the plugin stays out of
+the way and vLLM's own attention runs.
 
-Every check runs when the engine builds its attention layers, before any request is accepted.
+`setup` is the one reader of the engine config: every class of the plugin (the metadata builders, the attention
+impls, the dense GPU backends' guards) asks it, and every check runs when the engine builds its attention
+layers, before any request is accepted.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
+from .. import logs
 from ..config import MobaConfig
 from ..integration import rope_remap
-from ..integration.support import check_supported, rope_type
-from ..options import KV_CACHE_DTYPES, kv_cache_dtype
-from ..serving import ENV, QWEN_DCA_SOURCE, MobaSetupError, dca_on, find_source, read_source
+from ..integration.support import rope_type
+from ..options import KV_CACHE_DTYPES
+from ..serving import (
+    ARCHITECTURES,
+    ENV,
+    QWEN_DCA_SOURCE,
+    MobaSetupError,
+    check_model,
+    check_serving_options,
+    dca_on,
+    dense_layers,
+    find_config,
+)
 from .paged import PagedDca
 
 logger = logging.getLogger("moba_hf")
 
-# vLLM model classes the plugin runs: their attention layers hand the backend post-RoPE q / k of plain causal
-# self-attention (the end-to-end tests run LlamaForCausalLM)
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # KV cache dtypes whose pages the MoBA kernels read as they are: the model's dtype ("auto" = the model's dtype)
 READABLE_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
 # DCA moves keys vLLM rotated with transformers' frequencies of the same rope type: the types where both
@@ -36,33 +42,39 @@ READABLE_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
 DCA_ROPE_TYPES = ("default", "llama3")
 
 
+class Setup(NamedTuple):
+    config: MobaConfig
+    dense: frozenset[int]  # layer indices of full attention
+    dca: PagedDca | None
+    where: str  # the config's source, for messages
+
+
+def setup(vllm_config: Any) -> Setup | None:
+    """The engine's MoBA config, checked (refusals raise `MobaSetupError`), or None without one; the first call
+    per config logs it."""
+    found = resolve(vllm_config)
+    if found is None:
+        return None
+    config, serving, where = found
+    dense = check(vllm_config, config, serving, where)
+    dca = dca_setup(vllm_config, config, where)
+    logs.once(logging.WARNING, describe(config, dense, where, dca))
+    return Setup(config, dense, dca, where)
+
+
 def resolve(vllm_config: Any) -> tuple[MobaConfig, dict[str, Any], str] | None:
     """(config, serving options, where it came from), or None when no MoBA config is given anywhere (the
     sources and their order: `serving.find_source`)."""
     model_config = vllm_config.model_config
     overrides = model_config.hf_overrides if isinstance(model_config.hf_overrides, dict) else {}
-    found = find_source(overrides, "--hf-overrides", model_config.hf_config, model_config.hf_text_config)
-    if found is None:
-        return None
-    raw, where = found
-    config, serving = read_source(raw, where)
-    return config, serving, where
+    return find_config(overrides, "--hf-overrides", model_config.hf_config, model_config.hf_text_config)
 
 
 def check(vllm_config: Any, config: MobaConfig, serving: dict[str, Any], where: str) -> frozenset[int]:
     """Refuse what the plugin cannot serve exactly; return the dense (full-attention) layer indices."""
     model_config = vllm_config.model_config
     hf_config = model_config.hf_text_config
-    architectures = list(getattr(model_config, "architectures", None) or [])
-    if not set(architectures) & set(ARCHITECTURES):
-        raise MobaSetupError(
-            f"moba_hf: the vLLM plugin supports {', '.join(ARCHITECTURES)}; this checkpoint is "
-            f"{', '.join(architectures) or 'of unknown architecture'} (MoBA config from {where})"
-        )
-    try:
-        check_supported(hf_config)
-    except ValueError as err:
-        raise MobaSetupError(f"moba_hf (MoBA config from {where}): {err}") from None
+    check_model("vLLM", list(getattr(model_config, "architectures", None) or []), hf_config, where)
     window = model_config.get_sliding_window()
     if window is not None:
         raise MobaSetupError(
@@ -77,26 +89,14 @@ def check(vllm_config: Any, config: MobaConfig, serving: dict[str, Any], where: 
             f"moba_hf: kv_cache_dtype={cache_dtype!r} is not readable by the MoBA kernels with a {model_dtype} "
             "model; use --kv-cache-dtype auto (the model's dtype)"
         )
-    if serving.get("kv_cache_dtype") is not None:
-        try:  # the file's spelling (fp16, half, bf16 ...) as vLLM names it
-            wanted = kv_cache_dtype(serving["kv_cache_dtype"])
-        except ValueError as err:
-            raise MobaSetupError(f"moba_hf: {where}: {err}") from None
-        if wanted not in ("auto", model_dtype):
-            spelled = serving["kv_cache_dtype"]
-            asked = repr(wanted) if spelled == wanted else f"{spelled!r} ({wanted})"
-            raise MobaSetupError(
-                f"moba_hf: {where} asks for kv_cache_dtype={asked} but vLLM's KV "
-                f"cache is {model_dtype} (--kv-cache-dtype {cache_dtype} with a {model_dtype} model), and the MoBA "
-                f"kernels read a cache in the model's dtype: start vLLM with --dtype {wanted} (the cache follows it "
-                "with --kv-cache-dtype auto, the default), or drop kv_cache_dtype from the file"
-            )
-    limit = serving.get("max_context_tokens")
-    if limit is not None and model_config.max_model_len > int(limit):
-        raise MobaSetupError(
-            f"moba_hf: {where} allows max_context_tokens={limit} but vLLM runs max_model_len="
-            f"{model_config.max_model_len}; pass --max-model-len {limit}"
-        )
+    check_serving_options(
+        serving,
+        where,
+        server="vLLM",
+        cache_dtype=model_dtype,
+        cache_note=f"--kv-cache-dtype {cache_dtype} with a {model_dtype} model",
+        context=("max_model_len", model_config.max_model_len, "--max-model-len"),
+    )
     # vLLM rotates q and k from a table of max_position_embeddings rows and reads past it for later positions
     # (garbage, NaN included, which the kernels' exact NaN route then follows); DCA has its own check, with advice
     table = getattr(hf_config, "max_position_embeddings", None)
@@ -107,10 +107,7 @@ def check(vllm_config: Any, config: MobaConfig, serving: dict[str, Any], where: 
             f"lower --max-model-len to {table}, or pass --hf-overrides "
             f"'{{\"max_position_embeddings\": {model_config.max_model_len}}}' to run past the trained window"
         )
-    try:
-        return config.full_layer_set(hf_config.num_hidden_layers)
-    except ValueError as err:
-        raise MobaSetupError(f"moba_hf: bad MoBA config from {where}: {err}") from None
+    return dense_layers(config, hf_config, where)
 
 
 def dca_setup(vllm_config: Any, config: MobaConfig, where: str) -> PagedDca | None:
@@ -163,5 +160,14 @@ def describe(config: MobaConfig, dense: frozenset[int], where: str, dca: PagedDc
 
 
 __all__ = [
-    "ARCHITECTURES", "ENV", "QWEN_DCA_SOURCE", "MobaSetupError", "check", "dca_setup", "describe", "resolve",
-]  # fmt: skip
+    "ARCHITECTURES",
+    "ENV",
+    "QWEN_DCA_SOURCE",
+    "MobaSetupError",
+    "Setup",
+    "check",
+    "dca_setup",
+    "describe",
+    "resolve",
+    "setup",
+]
