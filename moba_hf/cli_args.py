@@ -81,23 +81,29 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         choices=("auto", "float32", "bfloat16", "float16"),
         help="auto: float32 on CPU, bfloat16 on GPU",
     )
-    parser.add_argument("--device", default="auto", help="cpu / cuda / cuda:1 (auto: cuda when available)")  # fmt: skip
+    parser.add_argument("--device", default="auto", help="cpu / cuda / cuda:1 (auto: cuda when available)")
 
 
 def add_settings_args(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument(
-        "--attn", action="append", metavar="SETTING",
+        "--attn",
+        action="append",
+        metavar="SETTING",
         help="an attention setting (repeatable): sdpa | moba | moba:PRESET (e.g. moba:paper-8k) | moba:FILE.toml "
         "| moba:block_size=64,top_k=16 | a sweep grid name (b64-k12-f3) | NAME=SETTING | a settings .toml; "
         f"default: {default}",
-    )  # fmt: skip
+    )
     parser.add_argument("--settings", action="append", metavar="FILE", help="TOML file with [[setting]] tables")
 
 
 def add_out_arg(parser: argparse.ArgumentParser, command: str, what: str = "results") -> None:
     default = f"{OUT_ROOT}/{command}"
-    parser.add_argument("--out", default=default, metavar="DIR",
-                        help=f"{what} directory; re-running into it resumes (default {default})")  # fmt: skip
+    parser.add_argument(
+        "--out",
+        default=default,
+        metavar="DIR",
+        help=f"{what} directory; re-running into it resumes (default {default})",
+    )
 
 
 def add_text_args(parser: argparse.ArgumentParser, what: str) -> None:

@@ -31,13 +31,25 @@ LONGER_RUN = (
 
 def add_commands(sub: Any) -> None:
     p = sub.add_parser("demo", help="passkey retrieval on the embedded SmolLM2: dense attention vs MoBA")
-    p.add_argument("--lengths", type=parse_lengths, default=parse_lengths(DEFAULT_LENGTHS),
-                   help=f"prompt lengths in tokens, e.g. 2K,4K (>= {MIN_LENGTH}, up to the model's window; "
-                   f"default {DEFAULT_LENGTHS})")  # fmt: skip
-    p.add_argument("--trials", type=positive_int, default=DEFAULT_TRIALS,
-                   help=f"prompts per length (depths spread evenly; default {DEFAULT_TRIALS})")  # fmt: skip
-    p.add_argument("--attn", default=DEFAULT_SETTING, metavar="SETTING",
-                   help=f"the MoBA setting compared with sdpa (default {DEFAULT_SETTING})")  # fmt: skip
+    p.add_argument(
+        "--lengths",
+        type=parse_lengths,
+        default=parse_lengths(DEFAULT_LENGTHS),
+        help=f"prompt lengths in tokens, e.g. 2K,4K (>= {MIN_LENGTH}, up to the model's window; "
+        f"default {DEFAULT_LENGTHS})",
+    )
+    p.add_argument(
+        "--trials",
+        type=positive_int,
+        default=DEFAULT_TRIALS,
+        help=f"prompts per length (depths spread evenly; default {DEFAULT_TRIALS})",
+    )
+    p.add_argument(
+        "--attn",
+        default=DEFAULT_SETTING,
+        metavar="SETTING",
+        help=f"the MoBA setting compared with sdpa (default {DEFAULT_SETTING})",
+    )
     p.add_argument("--config", dest="attn", type=lambda x: f"moba:{x}", help=argparse.SUPPRESS)  # the old flag
     p.add_argument("--seed", type=int, default=0)
     add_model_args(p)
@@ -143,14 +155,19 @@ def run_demo(
     rows = []
     for length in lengths:
         full, sparse = ([r for r in store.records([s]) if r["length"] == length] for s in settings)
-        rows.append({
-            "length": length, "prompt_tokens": full[0]["prompt_tokens"], "trials": len(full),
-            "sdpa_correct": sum(t["correct"] for t in full), "moba_correct": sum(t["correct"] for t in sparse),
-            "sdpa_prefill": statistics.median(t["prefill_seconds"] for t in full),
-            "moba_prefill": statistics.median(t["prefill_seconds"] for t in sparse),
-            "moba_sparsity": statistics.fmean(t["sparsity"] for t in sparse),
-            "prompts": list(zip(full, sparse, strict=True)),
-        })  # fmt: skip
+        rows.append(
+            {
+                "length": length,
+                "prompt_tokens": full[0]["prompt_tokens"],
+                "trials": len(full),
+                "sdpa_correct": sum(t["correct"] for t in full),
+                "moba_correct": sum(t["correct"] for t in sparse),
+                "sdpa_prefill": statistics.median(t["prefill_seconds"] for t in full),
+                "moba_prefill": statistics.median(t["prefill_seconds"] for t in sparse),
+                "moba_sparsity": statistics.fmean(t["sparsity"] for t in sparse),
+                "prompts": list(zip(full, sparse, strict=True)),
+            }
+        )
     return rows
 
 

@@ -186,8 +186,11 @@ def _run_model_path(args: Any) -> int:
     if args.name not in EMBEDDED:
         close = difflib.get_close_matches(args.name.lower(), list(EMBEDDED), n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
-        print(f"moba-hf model-path: error: {args.name!r} is not an embedded model{hint} (embedded: "
-              f"{', '.join(EMBEDDED)})", file=sys.stderr)  # fmt: skip
+        print(
+            f"moba-hf model-path: error: {args.name!r} is not an embedded model{hint} (embedded: "
+            f"{', '.join(EMBEDDED)})",
+            file=sys.stderr,
+        )
         return 2
     try:
         path = embedded_path(args.name)

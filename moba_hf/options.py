@@ -19,10 +19,15 @@ BUILTIN_BACKENDS = ("auto", "reference", "torch", "flex", "triton", "flash")
 # `--dtype` takes half and float too). "auto": the model's dtype. The MoBA kernels read float pages as they are.
 KV_CACHE_DTYPES = {
     "auto": "auto",
-    "float16": "float16", "fp16": "float16", "half": "float16",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float32": "float32", "fp32": "float32", "float": "float32",
-}  # fmt: skip
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+}
 
 
 # The largest integer setting (block_size, top_k, sink_blocks, ...; DCA's lengths): 2**62 - 1. The kernels hold

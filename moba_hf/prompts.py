@@ -21,13 +21,19 @@ QUESTION = "What is the pass key? The pass key is"
 # family (families.py) draws one per trial. 1-3 are not among the training mixture's wordings (train/synthetic.py).
 WORDINGS = (
     ("The pass key is {key}. Remember it. {key} is the pass key.", QUESTION),
-    ("Write down the vault combination: {key}. The vault combination is {key}.",
-     "What is the vault combination? The vault combination is"),
-    ("Here is the number to remember, {key}. Again, the number to remember is {key}.",
-     "What is the number to remember? The number to remember is"),
-    ("The door code of the archive is {key}. {key} opens the archive door.",
-     "What is the door code of the archive? The door code of the archive is"),
-)  # fmt: skip
+    (
+        "Write down the vault combination: {key}. The vault combination is {key}.",
+        "What is the vault combination? The vault combination is",
+    ),
+    (
+        "Here is the number to remember, {key}. Again, the number to remember is {key}.",
+        "What is the number to remember? The number to remember is",
+    ),
+    (
+        "The door code of the archive is {key}. {key} opens the archive door.",
+        "What is the door code of the archive? The door code of the archive is",
+    ),
+)
 
 
 def passkey_line(passkey: int, wording: int = 0) -> str:

@@ -124,8 +124,15 @@ def _alive(pid: int) -> bool:
 
 # --- records read back --------------------------------------------------------------------------------------
 
-_NAMES = {dict: "an object", list: "an array", str: "a string", int: "an integer", float: "a number",
-          bool: "a boolean", type(None): "null"}  # fmt: skip
+_NAMES = {
+    dict: "an object",
+    list: "an array",
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "a boolean",
+    type(None): "null",
+}
 
 
 def kind(value: Any) -> str:
@@ -148,8 +155,14 @@ def expected(spec: Any) -> str:
 
 
 def _plural(spec: Any) -> str:
-    return {"an integer": "integers", "a number": "numbers", "a string": "strings", "a boolean": "booleans",
-            "an object": "objects", "an array": "arrays"}.get(expected(spec), expected(spec))  # fmt: skip
+    return {
+        "an integer": "integers",
+        "a number": "numbers",
+        "a string": "strings",
+        "a boolean": "booleans",
+        "an object": "objects",
+        "an array": "arrays",
+    }.get(expected(spec), expected(spec))
 
 
 def matches(value: Any, spec: Any) -> bool:

@@ -110,9 +110,15 @@ def record_attention(
         attended = selected_pairs(selection(), num_keys, moba.block_size, moba.tail_queries(nq))
     elif moba is not None:
         attended = rule_pairs(
-            b * hq, nq, num_keys, block_size=moba.block_size, top_k=moba.step_top_k(nq), sink_blocks=moba.sink_blocks,
-            local_blocks=moba.local_blocks, dense_tail=moba.tail_queries(nq),
-        )  # fmt: skip
+            b * hq,
+            nq,
+            num_keys,
+            block_size=moba.block_size,
+            top_k=moba.step_top_k(nq),
+            sink_blocks=moba.sink_blocks,
+            local_blocks=moba.local_blocks,
+            dense_tail=moba.tail_queries(nq),
+        )
     record(layer, attended, causal, backend if isinstance(backend, str) else backend())
 
 

@@ -348,8 +348,11 @@ def _train(
                 logger.warning(
                     "moba_hf: %s holds a finished run: %s is at step %d and train.max_steps is %d; nothing to "
                     "train (raise train.max_steps, --max-steps, to continue it)",
-                    checkpoint.parent, checkpoint.name, step, config.train.max_steps,
-                )  # fmt: skip
+                    checkpoint.parent,
+                    checkpoint.name,
+                    step,
+                    config.train.max_steps,
+                )
             return TrainResult(None, [], {}, [], is_main_process(), checkpoint, finished_at=step)
         if model is None:
             model, tokenizer = load_model(config)
