@@ -17,24 +17,7 @@ import logging
 import os
 import sys
 
-# the vocabulary every subcommand shares, importable from here too
-from .cli_args import (  # noqa: F401
-    EXIT_INTERRUPTED,
-    EXIT_USAGE,
-    OUT_ROOT,
-    Parser,
-    UsageError,
-    add_model_args,
-    add_out_arg,
-    add_settings_args,
-    add_text_args,
-    check_model,
-    check_out,
-    fractions,
-    parse_length,
-    parse_lengths,
-    positive_int,
-)
+from .cli_args import EXIT_INTERRUPTED, EXIT_USAGE, Parser, UsageError
 
 # command -> (module whose add_commands(subparsers) defines it, one-line help for `moba-hf --help`)
 COMMANDS = {

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from moba_hf import cli
+from moba_hf import cli, cli_args
 from moba_hf.eval import cli as eval_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -32,11 +32,11 @@ def no_model(monkeypatch):
 
 
 def test_lengths_vocabulary():
-    assert cli.parse_lengths("1K,2k,4096, 1.5K") == [1024, 2048, 4096, 1536]
-    assert cli.parse_lengths("1M") == [1024 * 1024]
+    assert cli_args.parse_lengths("1K,2k,4096, 1.5K") == [1024, 2048, 4096, 1536]
+    assert cli_args.parse_lengths("1M") == [1024 * 1024]
     for bad in ("0", "-5", "big", "0.5", "1.3", "", "K"):
         with pytest.raises(argparse.ArgumentTypeError, match="token counts >= 1|at least one"):
-            cli.parse_lengths(bad)
+            cli_args.parse_lengths(bad)
 
 
 def test_version(capsys):

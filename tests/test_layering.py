@@ -22,7 +22,8 @@ LAYERS = (
         "window.py",
         "logs.py",
         "rundir.py",
-    ),  # torch-free: vocabularies, the position window, log-once, run directories
+        "lazy.py",
+    ),  # torch-free: vocabularies, the position window, log-once, run directories, names loaded on first use
     ("kernels",),  # tensor math
     ("presets",),  # the shipped preset files and their names
     ("dca/config.py", "config_files.py", "config_vocabularies.py"),  # DcaConfig; the file reader; other vocabularies
@@ -42,6 +43,7 @@ THIRD_PARTY = {  # entry -> libraries it may not import at all
     "window.py": ("torch", "transformers", "vllm", "sglang"),
     "logs.py": ("torch", "transformers", "vllm", "sglang"),
     "rundir.py": ("torch", "transformers", "vllm", "sglang"),
+    "lazy.py": ("torch", "transformers", "vllm", "sglang"),
     "presets": ("torch", "transformers", "vllm", "sglang"),
     "dca/config.py": ("torch", "transformers", "vllm", "sglang"),
     "config_files.py": ("torch", "transformers", "vllm", "sglang"),

@@ -3,8 +3,7 @@
 # Names are imported on first use, so that `moba-hf train --help` does not load torch, transformers and peft.
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ..lazy import lazy_names
 
 _WHERE = {
     "AttentionSchedule": "schedule",
@@ -28,9 +27,4 @@ _WHERE = {
 }
 
 __all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+__getattr__ = lazy_names(__name__, _WHERE)
