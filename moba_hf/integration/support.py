@@ -62,8 +62,8 @@ _KNOWN_KWARGS = frozenset({"dropout", "scaling", "sliding_window", "position_ids
 
 
 @dataclasses.dataclass(frozen=True)
-class Family:
-    """What a model's modeling code does, read once per config class."""
+class ModelFamily:
+    """A model family as its modeling code shows it (what "moba" needs to know), read once per config class."""
 
     module: ModuleType | None
     problems: tuple[str, ...]  # reasons the code itself rules "moba" out (empty: fine)
@@ -88,14 +88,17 @@ def check_supported(model_config: Any) -> None:
         problems = [*family.problems, *_config_problems(model_config, family)]
     if problems:
         raise ValueError(
-            f"moba_hf cannot run model_type={model_type!r}: " + "; ".join(problems)
+            f"moba_hf cannot run model_type={model_type!r}: "
+            + "; ".join(problems)
             + f". Families verified by tests: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )  # fmt: skip
+        )
     if model_type not in SUPPORTED_MODEL_TYPES:
         logs.once(
-            logging.WARNING, "moba_hf: model_type=%r passes the support checks but no test runs it (verified: %s)",
-            model_type, ", ".join(SUPPORTED_MODEL_TYPES),
-        )  # fmt: skip
+            logging.WARNING,
+            "moba_hf: model_type=%r passes the support checks but no test runs it (verified: %s)",
+            model_type,
+            ", ".join(SUPPORTED_MODEL_TYPES),
+        )
 
 
 def _window_covers_context(model_config: Any) -> bool:
@@ -106,7 +109,7 @@ def _window_covers_context(model_config: Any) -> bool:
     return window is None or (context is not None and window >= context)
 
 
-def _config_problems(model_config: Any, family: Family) -> list[str]:
+def _config_problems(model_config: Any, family: ModelFamily) -> list[str]:
     problems = []
     layer_types = getattr(model_config, "layer_types", None)
     if layer_types:
@@ -140,21 +143,24 @@ def _qk_head_dim(model_config: Any) -> int | None:
 
 
 @functools.cache
-def family_of(config_class: type) -> Family:
+def family_of(config_class: type) -> ModelFamily:
     """Read the modeling code that belongs to `config_class` (…configuration_x -> …modeling_x)."""
     name = config_class.__module__
     if ".configuration_" not in name:
         problem = f"no modeling code found for config class {config_class.__name__}"
-        return Family(None, (problem,), False, None)
+        return ModelFamily(None, (problem,), False, None)
     try:
         module = importlib.import_module(name.replace(".configuration_", ".modeling_"))
     except ImportError as error:
-        return Family(None, (f"its modeling code does not import ({error})",), False, None)
+        return ModelFamily(None, (f"its modeling code does not import ({error})",), False, None)
     attentions = [
-        cls for key, cls in vars(module).items()
-        if key.endswith("Attention") and inspect.isclass(cls) and issubclass(cls, torch.nn.Module)
+        cls
+        for key, cls in vars(module).items()
+        if key.endswith("Attention")
+        and inspect.isclass(cls)
+        and issubclass(cls, torch.nn.Module)
         and cls.__module__ == module.__name__
-    ]  # fmt: skip
+    ]
     problems = [] if attentions else [f"{module.__name__} defines no *Attention module"]
     for cls in attentions:
         problems += _attention_problems(cls)
@@ -167,7 +173,7 @@ def family_of(config_class: type) -> Family:
     rotary = _rotary_class(module, attentions)
     if rotary is None:
         problems.append("it has no RoPE (moba_hf covers RoPE decoders)")
-    return Family(module, tuple(problems), "sliding_window" in source, rotary, tuple(attentions))
+    return ModelFamily(module, tuple(problems), "sliding_window" in source, rotary, tuple(attentions))
 
 
 def _source(obj: Any) -> str:
