@@ -13,17 +13,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .. import serving
 from ..config import MobaConfig
-from ..serving import (
-    ARCHITECTURES,
-    ENV,
-    MobaSetupError,
-    check_model,
-    check_serving_options,
-    dca_on,
-    dense_layers,
-    find_config,
-)
+from ..serving import ENV, MobaSetupError
 
 logger = logging.getLogger("moba_hf")
 
@@ -39,17 +31,17 @@ class Setup(NamedTuple):
 def resolve(model_config: Any) -> tuple[MobaConfig, dict[str, Any], str] | None:
     """(config, serving options, where it came from) from an SGLang `ModelConfig`, or None without one."""
     overrides = getattr(model_config, "model_override_args", None) or {}
-    return find_config(overrides, OVERRIDE_FLAG, model_config.hf_config, model_config.hf_text_config)
+    return serving.find_config(overrides, OVERRIDE_FLAG, model_config.hf_config, model_config.hf_text_config)
 
 
 def check(
-    model_config: Any, config: MobaConfig, serving: dict[str, Any], where: str, cache_dtype: torch.dtype
+    model_config: Any, config: MobaConfig, options: dict[str, Any], where: str, cache_dtype: torch.dtype
 ) -> frozenset[int]:
     """Refuse what the plugin cannot serve exactly; return the dense (full-attention) layer indices.
     cache_dtype: the dtype of SGLang's KV pool."""
     hf_config = model_config.hf_text_config
-    check_model("SGLang", list(getattr(model_config.hf_config, "architectures", None) or []), hf_config, where)
-    if dca_on(config, hf_config):
+    serving.check_model("SGLang", list(getattr(model_config.hf_config, "architectures", None) or []), hf_config, where)
+    if serving.dca_on(config, hf_config):
         raise MobaSetupError(
             f"moba_hf: Dual Chunk Attention (from {where}) is not served by the SGLang plugin; serve it with "
             "dca = false, or use the vLLM plugin or the transformers path"
@@ -61,15 +53,15 @@ def check(
             f"{str(model_dtype).removeprefix('torch.')}; the MoBA kernels read a cache in the model's dtype: start "
             "SGLang with --kv-cache-dtype auto (the default)"
         )
-    check_serving_options(
-        serving,
+    serving.check_serving_options(
+        options,
         where,
         server="SGLang",
         cache_dtype=str(model_dtype).removeprefix("torch."),
         cache_note="the model's dtype",
         context=("context_len", model_config.context_len, "--context-length"),
     )
-    return dense_layers(config, hf_config, where)
+    return serving.dense_layers(config, hf_config, where)
 
 
 def setup(model_config: Any, cache_dtype: torch.dtype) -> Setup | None:
@@ -77,10 +69,10 @@ def setup(model_config: Any, cache_dtype: torch.dtype) -> Setup | None:
     found = resolve(model_config)
     if found is None:
         return None
-    config, serving, where = found
-    dense = check(model_config, config, serving, where, cache_dtype)
+    config, options, where = found
+    dense = check(model_config, config, options, where, cache_dtype)
     logger.warning(f"moba_hf: SGLang attention runs {config} from {where}; dense layers {sorted(dense) or 'none'}")
     return Setup(config, dense, where)
 
 
-__all__ = ["ARCHITECTURES", "ENV", "OVERRIDE_FLAG", "MobaSetupError", "Setup", "check", "resolve", "setup"]
+__all__ = ["ENV", "OVERRIDE_FLAG", "MobaSetupError", "Setup", "check", "resolve", "setup"]

@@ -15,22 +15,12 @@ from __future__ import annotations
 import logging
 from typing import Any, NamedTuple
 
-from .. import logs
+from .. import logs, serving
 from ..config import MobaConfig
 from ..integration import rope_remap
 from ..integration.support import rope_type
 from ..options import KV_CACHE_DTYPES
-from ..serving import (
-    ARCHITECTURES,
-    ENV,
-    QWEN_DCA_SOURCE,
-    MobaSetupError,
-    check_model,
-    check_serving_options,
-    dca_on,
-    dense_layers,
-    find_config,
-)
+from ..serving import ENV, QWEN_DCA_SOURCE, MobaSetupError
 from .paged import PagedDca
 
 logger = logging.getLogger("moba_hf")
@@ -55,8 +45,8 @@ def setup(vllm_config: Any) -> Setup | None:
     found = resolve(vllm_config)
     if found is None:
         return None
-    config, serving, where = found
-    dense = check(vllm_config, config, serving, where)
+    config, options, where = found
+    dense = check(vllm_config, config, options, where)
     dca = dca_setup(vllm_config, config, where)
     logs.once(logging.WARNING, describe(config, dense, where, dca))
     return Setup(config, dense, dca, where)
@@ -67,14 +57,14 @@ def resolve(vllm_config: Any) -> tuple[MobaConfig, dict[str, Any], str] | None:
     sources and their order: `serving.find_source`)."""
     model_config = vllm_config.model_config
     overrides = model_config.hf_overrides if isinstance(model_config.hf_overrides, dict) else {}
-    return find_config(overrides, "--hf-overrides", model_config.hf_config, model_config.hf_text_config)
+    return serving.find_config(overrides, "--hf-overrides", model_config.hf_config, model_config.hf_text_config)
 
 
-def check(vllm_config: Any, config: MobaConfig, serving: dict[str, Any], where: str) -> frozenset[int]:
+def check(vllm_config: Any, config: MobaConfig, options: dict[str, Any], where: str) -> frozenset[int]:
     """Refuse what the plugin cannot serve exactly; return the dense (full-attention) layer indices."""
     model_config = vllm_config.model_config
     hf_config = model_config.hf_text_config
-    check_model("vLLM", list(getattr(model_config, "architectures", None) or []), hf_config, where)
+    serving.check_model("vLLM", list(getattr(model_config, "architectures", None) or []), hf_config, where)
     window = model_config.get_sliding_window()
     if window is not None:
         raise MobaSetupError(
@@ -89,8 +79,8 @@ def check(vllm_config: Any, config: MobaConfig, serving: dict[str, Any], where: 
             f"moba_hf: kv_cache_dtype={cache_dtype!r} is not readable by the MoBA kernels with a {model_dtype} "
             "model; use --kv-cache-dtype auto (the model's dtype)"
         )
-    check_serving_options(
-        serving,
+    serving.check_serving_options(
+        options,
         where,
         server="vLLM",
         cache_dtype=model_dtype,
@@ -100,14 +90,14 @@ def check(vllm_config: Any, config: MobaConfig, serving: dict[str, Any], where: 
     # vLLM rotates q and k from a table of max_position_embeddings rows and reads past it for later positions
     # (garbage, NaN included, which the kernels' exact NaN route then follows); DCA has its own check, with advice
     table = getattr(hf_config, "max_position_embeddings", None)
-    if not dca_on(config, hf_config) and isinstance(table, int) and model_config.max_model_len > table:
+    if not serving.dca_on(config, hf_config) and isinstance(table, int) and model_config.max_model_len > table:
         raise MobaSetupError(
             f"moba_hf: max_model_len={model_config.max_model_len} needs RoPE positions up to "
             f"{model_config.max_model_len - 1}, but vLLM's RoPE table covers max_position_embeddings={table}; "
             f"lower --max-model-len to {table}, or pass --hf-overrides "
             f"'{{\"max_position_embeddings\": {model_config.max_model_len}}}' to run past the trained window"
         )
-    return dense_layers(config, hf_config, where)
+    return serving.dense_layers(config, hf_config, where)
 
 
 def dca_setup(vllm_config: Any, config: MobaConfig, where: str) -> PagedDca | None:
@@ -115,7 +105,7 @@ def dca_setup(vllm_config: Any, config: MobaConfig, where: str) -> PagedDca | No
     refuses what the paged DCA cannot serve exactly."""
     model_config = vllm_config.model_config
     hf_config = model_config.hf_text_config
-    if not dca_on(config, hf_config):
+    if not serving.dca_on(config, hf_config):
         return None
     rope = rope_type(hf_config)
     if rope not in DCA_ROPE_TYPES:
@@ -160,7 +150,6 @@ def describe(config: MobaConfig, dense: frozenset[int], where: str, dca: PagedDc
 
 
 __all__ = [
-    "ARCHITECTURES",
     "ENV",
     "QWEN_DCA_SOURCE",
     "MobaSetupError",
