@@ -1,6 +1,7 @@
 """pytest set-up of the SGLang plugin tests: they run in the SGLang virtualenv (make test-sglang), with the plugin
-installed under its entry point. Their helpers are in servers.py; stand_ins/ holds the two modules SGLang imports
-that have no CPU build (see stand_ins/README)."""
+installed under its entry point. Their helpers are in servers.py and, shared with tests_vllm,
+tests/server_helpers.py; stand_ins/ holds the two modules SGLang imports that have no CPU build (see
+stand_ins/README)."""
 
 from __future__ import annotations
 

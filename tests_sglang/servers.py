@@ -7,11 +7,8 @@ module, in its own process group (stopped whole), and tests send it all the prom
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from server_helpers import healthy, model_path, stop, tail
 
 HERE = Path(__file__).resolve().parent
 STAND_INS = HERE / "stand_ins"
@@ -28,37 +26,6 @@ START_S = 600  # about 90 s on an idle 2-core machine; a busy one takes several 
 SERVER_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
 SERVER_ARGS = ["--device", "cpu", "--dtype", "float32", "--disable-cuda-graph", "--random-seed", "0",
                "--log-level", "warning"]  # fmt: skip
-
-
-@functools.lru_cache(maxsize=1)
-def model_path() -> str:
-    from moba_hf.models import local_path
-
-    return str(local_path())
-
-
-@functools.lru_cache(maxsize=1)
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_path())
-
-
-def prompt_ids(n_tokens: int, seed: int) -> list[int]:
-    """A prose-like prompt of exactly n_tokens tokens (deterministic; varied text, so no gate ties)."""
-    from moba_hf.eval.texts import generated_text
-
-    tok = tokenizer()
-    question = " In one sentence, who appears most often in this story?"
-    tail = tok(question, add_special_tokens=False).input_ids
-    body = tok(generated_text(n_tokens, seed=seed), add_special_tokens=False).input_ids
-    return body[: n_tokens - len(tail)] + tail
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_env(extra: dict[str, str | None] | None = None, log_names: Path | None = None) -> dict[str, str]:
@@ -75,34 +42,6 @@ def launch_command(*args: str, port: int, max_total_tokens: int = 20000) -> list
     and `args`."""
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path(), "--host", "127.0.0.1",
             "--port", str(port), *SERVER_ARGS, "--max-total-tokens", str(max_total_tokens), *args]  # fmt: skip
-
-
-def healthy(base: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
-def tail(path: Path, lines: int = 60) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-
-
-def stop(server: subprocess.Popen) -> None:
-    """End the server's process group (the launcher, the scheduler and the detokenizer)."""
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(server.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            server.wait(wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(server.pid, signal.SIGKILL)  # what outlived the launcher
 
 
 @contextlib.contextmanager

@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from servers import HERE, free_port, model_path, server, server_env
+from server_helpers import free_port, model_path
+from servers import HERE, server, server_env
 
 pytestmark = pytest.mark.slow
 

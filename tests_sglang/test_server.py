@@ -12,7 +12,8 @@ import concurrent.futures
 import json
 
 import pytest
-from servers import flush_cache, free_port, generate, hf_generate, launch_command, prompt_ids, server, server_env
+from server_helpers import free_port, prompt_ids
+from servers import flush_cache, generate, hf_generate, launch_command, server, server_env
 
 pytestmark = pytest.mark.slow
 

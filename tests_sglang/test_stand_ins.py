@@ -8,7 +8,8 @@ import json
 import pytest
 import sgl_kernel  # the stand-in (conftest puts stand_ins/ first on sys.path)
 import torch
-from servers import STAND_INS, free_port, generate, launch_command, prompt_ids, server, server_env
+from server_helpers import free_port, prompt_ids
+from servers import STAND_INS, generate, launch_command, server, server_env
 
 
 def served_names() -> set[str]:

@@ -1,5 +1,6 @@
 """pytest set-up of the vLLM plugin tests: they run in the vLLM virtualenv (make test-vllm), with the plugin
-installed under its entry point. Their helpers are in engines.py."""
+installed under its entry point. Their helpers are in engines.py and, shared with tests_sglang,
+tests/server_helpers.py."""
 
 from __future__ import annotations
 

@@ -6,7 +6,6 @@ session, in a subprocess (engine_job.py), over all the prompts the tests need; t
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import signal
@@ -16,37 +15,13 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from server_helpers import model_path
 
 HERE = Path(__file__).resolve().parent
 ENGINE_TIMEOUT_S = 600
 MAX_MODEL_LEN = 4096
 # environment of every engine: a bounded KV cache, no usage reporting, the engine core in its own process
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-
-
-@functools.lru_cache(maxsize=1)
-def model_path() -> str:
-    from moba_hf.models import local_path
-
-    return str(local_path())
-
-
-@functools.lru_cache(maxsize=1)
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_path())
-
-
-def prompt_ids(n_tokens: int, seed: int) -> list[int]:
-    """A prose-like prompt of exactly n_tokens tokens (deterministic; varied text, so no gate ties)."""
-    from moba_hf.eval.texts import generated_text
-
-    tok = tokenizer()
-    question = " In one sentence, who appears most often in this story?"
-    tail = tok(question, add_special_tokens=False).input_ids
-    body = tok(generated_text(n_tokens, seed=seed), add_special_tokens=False).input_ids
-    return body[: n_tokens - len(tail)] + tail
 
 
 def engine_kwargs(**extra) -> dict:

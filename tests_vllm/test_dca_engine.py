@@ -15,7 +15,8 @@ import json
 import shutil
 
 import pytest
-from engines import engine_kwargs, hf_generate, logprob_gap, model_path, prompt_ids, run_engine
+from engines import engine_kwargs, hf_generate, logprob_gap, run_engine
+from server_helpers import model_path, prompt_ids
 
 pytestmark = pytest.mark.slow
 

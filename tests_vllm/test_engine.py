@@ -23,11 +23,10 @@ from engines import (
     engine_kwargs,
     hf_generate,
     logprob_gap,
-    model_path,
-    prompt_ids,
     run_engine,
     start_engine_expecting_refusal,
 )
+from server_helpers import model_path, prompt_ids
 
 from moba_hf import MobaConfig
 from moba_hf.vllm import startup

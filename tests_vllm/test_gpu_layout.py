@@ -14,8 +14,9 @@ from __future__ import annotations
 import paged_cases
 import pytest
 import torch
-from engines import MAX_MODEL_LEN, model_path
+from engines import MAX_MODEL_LEN
 from paged_cases import HKV, PAGE, QUERY_LENS, SEQ_LENS, D, slots_of
+from server_helpers import model_path
 from vllm.v1.attention.backends import triton_attn
 from vllm.v1.kv_cache_layout import KVCacheLayout
 

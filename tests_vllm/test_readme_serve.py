@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -21,7 +20,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from engines import HERE, model_path
+from engines import HERE
+from server_helpers import free_port, healthy, model_path, stop, tail
 
 pytestmark = pytest.mark.slow
 
@@ -50,14 +50,6 @@ def serve_command(readme: str) -> str:
 def substituted(command: str, model: str, port: int) -> str:
     command = re.sub(r"(?<![\w-])PATH(?!\w)", lambda _: shlex.quote(model), command)
     return command.replace(PORT, f"--port {port}")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_serve_command_is_found_and_substituted():
@@ -100,33 +92,3 @@ def test_readme_serve_command_answers_a_completion(tmp_path: Path):
     assert answer["choices"][0]["text"].strip(), answer
     assert answer["usage"]["completion_tokens"] == 4
     assert "moba_hf: vLLM attention runs" in log_path.read_text()  # the plugin, with the README's config
-
-
-def healthy(base: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
-def stop(server: subprocess.Popen) -> None:
-    """End the server's process group (bash, the API server and the engine core)."""
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(server.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            server.wait(wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    try:
-        os.killpg(server.pid, signal.SIGKILL)  # what outlived bash
-    except ProcessLookupError:
-        pass
-
-
-def tail(path: Path, lines: int = 60) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])

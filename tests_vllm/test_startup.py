@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from engines import MAX_MODEL_LEN, model_path
+from engines import MAX_MODEL_LEN
+from server_helpers import model_path
 
 from moba_hf import MobaConfig
 from moba_hf.dca.config import DcaParams

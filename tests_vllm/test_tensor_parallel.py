@@ -19,7 +19,8 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from engines import model_path, prompt_ids, run_engine
+from engines import run_engine
+from server_helpers import model_path, prompt_ids
 from tiny_model import write_tiny_llama
 
 pytestmark = pytest.mark.slow
