@@ -184,6 +184,15 @@ def test_every_family_has_a_help_line():
     assert splits == {split: [n for n in FAMILIES if SPLITS[n] == split] for split in ("tuning", "heldout")}
 
 
+def test_families_of_one_context_share_its_tokenized_units(tokenizer):
+    from moba_hf.eval.families import contexts
+
+    prose = contexts.unit_ids(tokenizer, "prose")  # prose-needle's and question-first's haystack, tokenized once
+    assert contexts.unit_ids(tokenizer, "prose") is prose and len(prose) > 100
+    with pytest.raises(ValueError, match="source must be one of prose, story, landmark, .*, got 'poems'"):
+        contexts.unit_ids(tokenizer, "poems")
+
+
 def test_the_wording_digests_are_the_ones_run_directories_hold():
     # run.json pins a run's wordings by these hashes: a table rewritten in another form (same strings) must keep
     # them, or every earlier --out directory would be refused on resume
