@@ -344,8 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig, AutoTokenizer
 
     import moba_hf
-    from moba_hf.eval.passkey import cell_prompt, min_length, score
+    from moba_hf.eval.passkey import cell_prompt
+    from moba_hf.eval.scoring import score_passkey
     from moba_hf.models import local_path
+    from moba_hf.prompts import min_length
 
     path = str(local_path())
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -404,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)  # fmt: skip
                 load = os.getloadavg()[0]
                 text, prompt_tokens, seconds = complete(base, path, ids, args.max_tokens, args.request_timeout)
-                got, correct = score(passkey, text)
+                got, correct = score_passkey(passkey, text)
                 print(f"{'correct' if correct else 'WRONG'} ({passkey} -> {text!r}) {seconds:.1f} s", flush=True)
                 stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
                 row = {**fixed, "date": stamp, "load_1m": f"{load:.2f}", "length": length, "depth": depth,

@@ -24,9 +24,10 @@ import torch
 
 import moba_hf
 from moba_hf import DcaConfig, MobaConfig
-from moba_hf.eval.passkey import build_prompt, run_trial, trial_passkey
-from moba_hf.eval.runner import forward_kwargs, output_cache
+from moba_hf.eval.decoding import forward_kwargs, output_cache
+from moba_hf.eval.passkey import run_trial, trial_passkey
 from moba_hf.models import load
+from moba_hf.prompts import build_prompt
 
 
 def settings(args: argparse.Namespace) -> dict[str, MobaConfig | None]:

@@ -7,7 +7,7 @@ python examples/niah_heatmap.py --text my_essays/            # your own haystack
 import argparse
 
 from moba_hf.eval import load_texts, niah_eval
-from moba_hf.eval.cli import load_model
+from moba_hf.models import load_model, pick_dtype
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default="smollm2")
@@ -16,7 +16,7 @@ parser.add_argument("--lengths", default="1024,2048")
 parser.add_argument("--out", default="runs/niah")
 args = parser.parse_args()
 
-model, tokenizer = load_model(args.model)
+model, tokenizer = load_model(args.model, dtype=pick_dtype(), device="auto")
 result = niah_eval(
     model, tokenizer, ["sdpa", "moba-64x16=moba:block_size=64,top_k=16"],
     lengths=[int(n) for n in args.lengths.split(",")], depths=[0.0, 0.5, 1.0], trials=2, out_dir=args.out,

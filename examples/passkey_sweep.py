@@ -7,7 +7,7 @@ import argparse
 
 from moba_hf import MobaConfig
 from moba_hf.eval import passkey_eval
-from moba_hf.eval.cli import load_model
+from moba_hf.models import load_model, pick_dtype
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default="smollm2")
@@ -16,7 +16,7 @@ parser.add_argument("--trials", type=int, default=2)
 parser.add_argument("--out", default="runs/passkey")
 args = parser.parse_args()
 
-model, tokenizer = load_model(args.model)
+model, tokenizer = load_model(args.model, dtype=pick_dtype(), device="auto")
 settings = [("sdpa", None)] + [
     (f"b{bs}-k{k}", MobaConfig(block_size=bs, top_k=k, full_attn_layers=3)) for bs, k in [(512, 3), (128, 6), (64, 16)]
 ]

@@ -7,15 +7,16 @@ python examples/patch_one_line.py --model PATH_OR_HUB_ID
 import argparse
 
 import moba_hf
-from moba_hf.eval.cli import load_model
-from moba_hf.eval.passkey import build_prompt, run_trial
+from moba_hf.eval.passkey import run_trial
+from moba_hf.models import load_model, pick_dtype
+from moba_hf.prompts import build_prompt
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default="smollm2", help="embedded model name or a local path / hub id")
 parser.add_argument("--length", type=int, default=2048)
 args = parser.parse_args()
 
-model, tokenizer = load_model(args.model)  # dense (sdpa) attention
+model, tokenizer = load_model(args.model, dtype=pick_dtype(), device="auto")  # dense (sdpa) attention
 # equivalently, at load time: moba_hf.from_pretrained(path, moba=cfg) or, after `import moba_hf`,
 # AutoModelForCausalLM.from_pretrained(path, attn_implementation="moba")
 

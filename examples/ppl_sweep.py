@@ -7,7 +7,7 @@ python examples/ppl_sweep.py --dataset pg19 --out runs/ppl   # a `datasets` data
 import argparse
 
 from moba_hf.eval import load_texts, ppl_eval
-from moba_hf.eval.cli import load_model
+from moba_hf.models import load_model, pick_dtype
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default="smollm2")
@@ -20,7 +20,7 @@ args = parser.parse_args()
 documents = None
 if args.text or args.dataset:
     documents = load_texts(args.text, dataset=args.dataset, max_docs=4 if args.dataset else None)
-model, tokenizer = load_model(args.model)
+model, tokenizer = load_model(args.model, dtype=pick_dtype(), device="auto")
 result = ppl_eval(
     model, tokenizer, ["sdpa", "moba:block_size=64,top_k=16", "moba:block_size=512,top_k=3"],
     lengths=[int(n) for n in args.lengths.split(",")], out_dir=args.out, documents=documents, mode="first",

@@ -79,9 +79,10 @@ def run(args: argparse.Namespace) -> int:
     check_model(args.model)
     moba = _moba_setting(args.attn)
 
-    from .eval.cli import load_model
+    from .models import load_model, pick_dtype
 
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    dtype = pick_dtype(args.dtype, args.device)
+    model, tokenizer = load_model(args.model, dtype=dtype, device=args.device)
     window = getattr(model.config, "max_position_embeddings", None)
     if window and max(args.lengths) > window:
         raise UsageError(f"--lengths must be <= the model's window {window}, got {max(args.lengths)}")
@@ -120,7 +121,8 @@ def run_demo(
     from tqdm.auto import tqdm
 
     from .eval import passkey
-    from .eval.runner import ResultStore, model_info, run_grid
+    from .eval.grid import model_info, run_grid
+    from .eval.run_store import ResultStore
     from .eval.settings import Setting, use_setting
 
     settings = [Setting("sdpa"), moba]

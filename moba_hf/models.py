@@ -118,6 +118,15 @@ def pick_device(device: str | None) -> str | None:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def pick_dtype(dtype: str = "auto", device: str | None = "auto") -> str:
+    """The commands' `--dtype`: "auto" is bfloat16 on a CUDA device (`device` as in pick_device), float32
+    elsewhere; another name as given. (load_model's own "auto", from_pretrained's, is the checkpoint's dtype.)"""
+    if dtype != "auto":
+        return dtype
+    device = pick_device(device)
+    return "bfloat16" if device is not None and device.startswith("cuda") else "float32"
+
+
 def load_model(
     name: str,
     *,
@@ -186,11 +195,8 @@ def _run_model_path(args: Any) -> int:
     if args.name not in EMBEDDED:
         close = difflib.get_close_matches(args.name.lower(), list(EMBEDDED), n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
-        print(
-            f"moba-hf model-path: error: {args.name!r} is not an embedded model{hint} (embedded: "
-            f"{', '.join(EMBEDDED)})",
-            file=sys.stderr,
-        )
+        message = f"{args.name!r} is not an embedded model{hint} (embedded: {', '.join(EMBEDDED)})"
+        print(f"moba-hf model-path: error: {message}", file=sys.stderr)
         return 2
     try:
         path = embedded_path(args.name)

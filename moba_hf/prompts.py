@@ -18,7 +18,7 @@ INTRO = (
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 QUESTION = "What is the pass key? The pass key is"
 # (key line with {key}, question): wording 0 is Landmark's, the prompt of `eval passkey`; the `passkey` prompt
-# family (families.py) draws one per trial. 1-3 are not among the training mixture's wordings (train/synthetic.py).
+# family (eval/families) draws one per trial. 1-3 are not among the training mixture's wordings (train/synthetic.py).
 WORDINGS = (
     ("The pass key is {key}. Remember it. {key} is the pass key.", QUESTION),
     (

@@ -8,8 +8,7 @@ import sys
 
 import pytest
 
-from moba_hf import cli, cli_args
-from moba_hf.eval import cli as eval_cli
+from moba_hf import cli, cli_args, models
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,7 +27,7 @@ def no_model(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr(eval_cli, "load_model", refuse)
+    monkeypatch.setattr(models, "load_model", refuse)
 
 
 def test_lengths_vocabulary():
@@ -52,7 +51,8 @@ def test_help_loads_no_machinery(argv):
         f"import sys; from moba_hf import cli\ntry: cli.main({argv!r})\nexcept SystemExit: print(sorted(sys.modules))"
     )
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    for heavy in ("torch", "transformers", "tqdm", "datasets", "moba_hf.eval.runner", "moba_hf.train"):
+    heavy_modules = ("torch", "transformers", "tqdm", "datasets", "moba_hf.eval.grid", "moba_hf.eval.run_store")
+    for heavy in (*heavy_modules, "moba_hf.train"):
         assert f"'{heavy}'" not in loaded
 
 
@@ -147,10 +147,9 @@ def test_ctrl_c_is_one_line_exit_130_and_the_run_resumes(tiny_dir, tmp_path, cap
 def test_demo_warms_up_alternates_and_averages_sparsity(tiny_dir, monkeypatch):
     import moba_hf.eval.passkey as passkey
     from moba_hf.demo import run_demo, table
-    from moba_hf.eval.cli import load_model
     from moba_hf.eval.settings import parse_setting
 
-    model, tokenizer = load_model(str(tiny_dir), device="cpu")
+    model, tokenizer = models.load_model(str(tiny_dir), device="cpu")
     order, forwards = [], []
     model.register_forward_pre_hook(lambda module, args, kwargs: forwards.append(order[:]), with_kwargs=True)
     sparsities = iter([0.2, 0.6, 0.3, 0.5])

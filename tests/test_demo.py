@@ -13,10 +13,10 @@ DECODE_BUDGET = 2 * 8
 
 
 def test_the_default_demo_prefills_one_8k_prompt_per_attention(tiny_dir, monkeypatch, capsys):
-    import moba_hf.eval.cli as eval_cli
     import moba_hf.eval.passkey as passkey
+    from moba_hf import models
 
-    load = eval_cli.load_model
+    load = models.load_model
 
     def load_tiny(name, **kwargs):
         model, tokenizer = load(str(tiny_dir), **kwargs)
@@ -31,7 +31,7 @@ def test_the_default_demo_prefills_one_8k_prompt_per_attention(tiny_dir, monkeyp
         return passkey.PasskeyTrial(length, depth, key, key, True, length - 16, 2.0 if moba else 3.0,
                                     f"{key}. Remember", 0.8 if moba else 0.0)  # fmt: skip
 
-    monkeypatch.setattr(eval_cli, "load_model", load_tiny)
+    monkeypatch.setattr(models, "load_model", load_tiny)
     monkeypatch.setattr(passkey, "run_trial", trial)
     assert cli.main(["demo"]) == 0
     assert calls == [(8000, 8, "sdpa"), (8000, 8, "moba")]

@@ -15,10 +15,13 @@ from transformers import LlamaForCausalLM
 from moba_hf import cli
 from moba_hf.config import MobaConfig
 from moba_hf.eval import cli as eval_cli
-from moba_hf.eval.niah import Haystack, score_answer
-from moba_hf.eval.passkey import build_prompt, first_integer, passkey_eval, passkey_line, run_trial, score
+from moba_hf.eval.decoding import greedy_decode
+from moba_hf.eval.niah import Haystack
+from moba_hf.eval.passkey import passkey_eval, run_trial
 from moba_hf.eval.ppl import window_nll, windows
-from moba_hf.eval.runner import RUN_FILE, TRIALS_FILE, ResultStore, RunMismatch, greedy_decode
+from moba_hf.eval.run_records import RUN_FILE, TRIALS_FILE, RunMismatch
+from moba_hf.eval.run_store import ResultStore
+from moba_hf.eval.scoring import first_integer, score_niah, score_passkey
 from moba_hf.eval.settings import (
     Setting,
     load_settings_file,
@@ -28,6 +31,7 @@ from moba_hf.eval.settings import (
     use_setting,
 )
 from moba_hf.eval.texts import generated_text, load_texts
+from moba_hf.prompts import build_prompt, passkey_line
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -57,20 +61,20 @@ def test_first_integer(text, expected):
 
 
 def test_passkey_score_is_exact_match_of_first_integer():
-    assert score(12345, " 12345. Remember") == (12345, True)
-    assert score(12345, " 1234 5") == (1234, False)
-    assert score(12345, " 123456") == (123456, False)
-    assert score(12345, " the pass key") == (None, False)
-    assert score(12345, " 54321 is not it, 12345 is") == (54321, False)
+    assert score_passkey(12345, " 12345. Remember") == (12345, True)
+    assert score_passkey(12345, " 1234 5") == (1234, False)
+    assert score_passkey(12345, " 123456") == (123456, False)
+    assert score_passkey(12345, " the pass key") == (None, False)
+    assert score_passkey(12345, " 54321 is not it, 12345 is") == (54321, False)
 
 
 def test_niah_score_numbers_and_text():
-    assert score_answer("1234567", " 1234567.")
-    assert not score_answer("1234567", " 123456 7")
-    assert not score_answer("1234567", " 7654321, then 1234567")
-    assert score_answer("eat a sandwich", " to Eat  a sandwich, in Dolores Park")
-    assert not score_answer("eat a sandwich", " eat a salad")
-    assert not score_answer("", " anything")
+    assert score_niah("1234567", " 1234567.")
+    assert not score_niah("1234567", " 123456 7")
+    assert not score_niah("1234567", " 7654321, then 1234567")
+    assert score_niah("eat a sandwich", " to Eat  a sandwich, in Dolores Park")
+    assert not score_niah("eat a sandwich", " eat a salad")
+    assert not score_niah("", " anything")
 
 
 # --- prompts ----------------------------------------------------------------------------------------

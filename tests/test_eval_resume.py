@@ -12,21 +12,13 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
-from moba_hf import cli
-from moba_hf.eval import runner
+from moba_hf import cli, rundir
+from moba_hf.eval import fingerprint, run_store
+from moba_hf.eval.fingerprint import file_digests, weights_fingerprint
+from moba_hf.eval.grid import window_warnings
 from moba_hf.eval.passkey import passkey_eval
-from moba_hf.eval.runner import (
-    RESULTS_FILE,
-    RUN_FILE,
-    TRIALS_FILE,
-    CorruptRunFile,
-    ResultStore,
-    RunInUse,
-    RunMismatch,
-    file_digests,
-    weights_fingerprint,
-    window_warnings,
-)
+from moba_hf.eval.run_records import RESULTS_FILE, RUN_FILE, TRIALS_FILE, CorruptRunFile, RunInUse, RunMismatch
+from moba_hf.eval.run_store import ResultStore
 from moba_hf.eval.settings import Setting, parse_setting
 from moba_hf.window import PastWindow
 
@@ -110,15 +102,15 @@ def test_weights_fingerprint_of_a_model_built_in_python_follows_every_tensor():
 
 
 def test_file_digests_see_an_overwrite_that_keeps_size_and_mtime(tmp_path, cache, monkeypatch):
-    monkeypatch.setattr(runner, "CACHE_MIN_BYTES", 0)  # cache even this small file
+    monkeypatch.setattr(fingerprint, "CACHE_MIN_BYTES", 0)  # cache even this small file
     path = tmp_path / "model.safetensors"
     path.write_bytes(b"a" * 1000)
     first = file_digests([path])[path]
-    entry = json.loads((cache / runner.DIGESTS_FILE).read_text())[str(path.resolve())]
+    entry = json.loads((cache / fingerprint.DIGESTS_FILE).read_text())[str(path.resolve())]
     assert entry["sha256"] == first
     # a cached digest is reused while the file is unchanged (so a fake one in the cache comes back) ...
     entry["sha256"] = "cached"
-    (cache / runner.DIGESTS_FILE).write_text(json.dumps({str(path.resolve()): entry}))
+    (cache / fingerprint.DIGESTS_FILE).write_text(json.dumps({str(path.resolve()): entry}))
     assert file_digests([path])[path] == "cached"
     # ... and an overwrite with the same size and the old mtime put back is still seen (ctime moves)
     stat = path.stat()
@@ -269,7 +261,7 @@ def test_a_short_write_is_taken_back(tmp_path, monkeypatch):
     def half(fd, data):
         return write(fd, data[: len(data) // 2]) if data.startswith(b'{"key": "k2"') else write(fd, data)
 
-    monkeypatch.setattr(runner.os, "write", half)
+    monkeypatch.setattr(run_store.os, "write", half)
     with pytest.raises(OSError, match="wrote 15 of the 30 bytes of a trial record"):
         store.add({"key": "k2", "setting": "s"})
     monkeypatch.undo()
@@ -283,17 +275,17 @@ def test_a_short_write_is_taken_back(tmp_path, monkeypatch):
 
 def test_a_second_store_on_an_open_directory_is_refused(tmp_path):
     with ResultStore(tmp_path, "passkey", {}, {}):
-        assert (tmp_path / runner.LOCK_FILE).read_text().startswith(f"{os.getpid()} on ")
+        assert (tmp_path / rundir.LOCK_FILE).read_text().startswith(f"{os.getpid()} on ")
         with pytest.raises(RunInUse, match=f"{tmp_path} is in use by another run \\(pid {os.getpid()} on "):
             ResultStore(tmp_path, "passkey", {}, {})
-    assert not (tmp_path / runner.LOCK_FILE).exists()  # removed when the run ends
+    assert not (tmp_path / rundir.LOCK_FILE).exists()  # removed when the run ends
     ResultStore(tmp_path, "passkey", {}, {}).close()  # free again once the first is closed
 
 
 def test_a_run_in_another_process_holds_the_directory(tmp_path):
     holder = textwrap.dedent("""
         import sys
-        from moba_hf.eval.runner import ResultStore
+        from moba_hf.eval.run_store import ResultStore
         store = ResultStore(sys.argv[1], "passkey", {}, {"name": "m"})
         print("ready", flush=True)
         sys.stdin.read()
@@ -409,7 +401,7 @@ def test_a_trial_field_of_another_type_is_refused_naming_line_field_value_and_ty
 
 
 def test_a_stale_lock_of_a_killed_run_is_taken_over_with_a_log_line(tmp_path, caplog):
-    holder = "import sys\nfrom moba_hf.eval.runner import ResultStore\nResultStore(sys.argv[1], 'passkey', {}, {})\n"
+    holder = "import sys\nfrom moba_hf.eval.run_store import ResultStore\nResultStore(sys.argv[1], 'passkey', {}, {})\n"
     holder += "print('ready', flush=True)\nsys.stdin.read()\n"
     child = subprocess.Popen([sys.executable, "-c", holder, str(tmp_path)], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)  # fmt: skip
@@ -418,8 +410,8 @@ def test_a_stale_lock_of_a_killed_run_is_taken_over_with_a_log_line(tmp_path, ca
     finally:
         child.kill()  # kill -9: run.lock stays behind with its pid
         child.wait(timeout=60)
-    assert (tmp_path / runner.LOCK_FILE).read_text().startswith(f"{child.pid} on ")
+    assert (tmp_path / rundir.LOCK_FILE).read_text().startswith(f"{child.pid} on ")
     with caplog.at_level(logging.WARNING, "moba_hf"), ResultStore(tmp_path, "passkey", {}, {}):
-        assert (tmp_path / runner.LOCK_FILE).read_text().startswith(f"{os.getpid()} on ")
+        assert (tmp_path / rundir.LOCK_FILE).read_text().startswith(f"{os.getpid()} on ")
     assert f"took over the lock of pid {child.pid} on " in caplog.text
     assert "which ended without releasing it" in caplog.text

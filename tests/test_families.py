@@ -8,9 +8,11 @@ import pytest
 
 from moba_hf import MobaConfig, cli
 from moba_hf.eval import families, sweep
-from moba_hf.eval.families import FAMILIES, NAMES, parse_families, score
+from moba_hf.eval.families import FAMILIES, contexts, parse_families
+from moba_hf.eval.families.contexts import NAMES
 from moba_hf.eval.passkey import passkey_eval
-from moba_hf.eval.runner import TRIALS_FILE, RunMismatch
+from moba_hf.eval.run_records import TRIALS_FILE, RunMismatch
+from moba_hf.eval.scoring import score_words
 
 FAMILY_NAMES = list(families.ALL)  # the three above; tests/test_heldout_families.py covers the others
 
@@ -85,7 +87,7 @@ def test_prompts_are_reproducible_from_the_seed(tokenizer, name):
     ],
 )
 def test_scorer_accepts_the_answer_and_rejects_others(expected, output, correct):
-    assert score(expected, output)[1] is correct
+    assert score_words(expected, output)[1] is correct
 
 
 def test_family_names_and_lengths_are_checked(tokenizer):
@@ -124,7 +126,7 @@ def test_sweep_reports_families_side_by_side_and_refuses_other_families(
     assert sweep.pareto_plot(rows, 128, tmp_path / "pareto.png").stat().st_size > 1000
     with pytest.raises(RunMismatch, match=r"families=\[\"prose-needle\", \"kv-retrieval\"\], this run has families="):
         sweep.run_sweep(tiny_llama, tokenizer, grid, families=["prose-needle"], **run)
-    monkeypatch.setattr(families, "PROSE_INTROS", ("Another intro.",))  # a new wording is another experiment
+    monkeypatch.setattr(contexts, "PROSE_INTROS", ("Another intro.",))  # a new wording is another experiment
     with pytest.raises(RunMismatch, match="wording_sha1="):
         sweep.run_sweep(tiny_llama, tokenizer, grid, families=["prose-needle", "kv-retrieval"], **run)
 

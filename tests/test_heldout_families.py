@@ -1,5 +1,6 @@
-"""The families of heldout_families.py: exact length, the needle at the documented depth, seeded prompts, scoring on
-every word of the answer, the registry's splits, and `--families` taking their names."""
+"""The ten families beyond passkey, prose-needle and kv-retrieval (`moba_hf.eval.families`): exact length, the
+needle at the documented depth, seeded prompts, scoring on every word of the answer, the registry's splits, and
+`--families` taking their names."""
 
 import json
 import re
@@ -7,12 +8,11 @@ import re
 import pytest
 
 from moba_hf import cli
-from moba_hf.eval import families, family, heldout_families
-from moba_hf.eval.families import FAMILIES, SPLITS, parse_families, text_params
-from moba_hf.eval.family import score
-from moba_hf.eval.heldout_families import NEW_FAMILIES
+from moba_hf.eval import families
+from moba_hf.eval.families import FAMILIES, SPLITS, lookup, parse_families, text_params
+from moba_hf.eval.scoring import score_words
 
-NEW = list(NEW_FAMILIES)
+NEW = [name for name in FAMILIES if name not in families.ALL]
 
 
 @pytest.mark.parametrize("name", NEW)
@@ -119,7 +119,7 @@ def test_wordings_and_answers_vary_across_trials(tokenizer, name):
     ],
 )
 def test_scorer_takes_every_word_of_the_answer(expected, output, correct):
-    assert score(expected, output)[1] is correct
+    assert score_words(expected, output)[1] is correct
     for name in (*families.ALL, *NEW):  # one rule for every family
         assert FAMILIES[name].score(expected, output)[1] is correct
 
@@ -132,7 +132,7 @@ def test_every_family_is_registered_with_a_split():
     assert all(FAMILIES[name].split == SPLITS[name] for name in NEW)
     assert families.ALL == ("passkey", "prose-needle", "kv-retrieval")  # the sweep's default stays the three
     with pytest.raises(ValueError, match="split must be one of tuning, heldout, got 'test'"):
-        family.Family("x", NEW_FAMILIES["code-needle"].build, 8, True, split="test")
+        families.Family("x", FAMILIES["code-needle"].build, 8, True, split="test")
 
 
 def test_family_names_parse_and_lengths_are_checked(tokenizer):
@@ -174,23 +174,39 @@ def test_help_lists_every_family_by_split(task, default, capsys, monkeypatch):
         assert re.search(rf"\s{re.escape(name)}\s+\(", entry), name  # whole, never broken at a hyphen
         at = text.index(f" {name} (")
         assert (tuning < at < heldout) if SPLITS[name] == "tuning" else heldout < at, name
-        assert f"{name} ({families.ABOUT[name]})" in text
+        assert f"{name} ({FAMILIES[name].about})" in text
     assert text.endswith(default), text
 
 
 def test_every_family_has_a_help_line():
-    assert set(families.ABOUT) == set(FAMILIES) and all(families.ABOUT.values())
+    assert all(family.about for family in FAMILIES.values())
     splits = families.by_split()
     assert splits == {split: [n for n in FAMILIES if SPLITS[n] == split] for split in ("tuning", "heldout")}
+
+
+def test_families_of_one_context_share_its_tokenized_units(tokenizer):
+    from moba_hf.eval.families import contexts
+
+    prose = contexts.unit_ids(tokenizer, "prose")  # prose-needle's and question-first's haystack, tokenized once
+    assert contexts.unit_ids(tokenizer, "prose") is prose and len(prose) > 100
+    with pytest.raises(ValueError, match="source must be one of prose, story, landmark, .*, got 'poems'"):
+        contexts.unit_ids(tokenizer, "poems")
+
+
+def test_the_wording_digests_are_the_ones_run_directories_hold():
+    # run.json pins a run's wordings by these hashes: a table rewritten in another form (same strings) must keep
+    # them, or every earlier --out directory would be refused on resume
+    assert families.wording_digest() == "d46015d1c9f068ee"
+    assert len(families.other_wording_digest()) == 16  # it also hashes the code haystack, which varies with Python
 
 
 def test_a_resume_after_a_wording_change_is_refused(monkeypatch):
     base = text_params(["passkey"])
     assert "heldout_wording_sha1" not in base and "prose_sha1" not in base
     mine = text_params(["passkey", "code-needle"])
-    assert mine["heldout_wording_sha1"] == heldout_families.wording_digest()
+    assert mine["heldout_wording_sha1"] == families.other_wording_digest()
     assert "prose_sha1" in text_params(["question-first"])
-    monkeypatch.setattr(heldout_families, "CODE_NAMES", ("OTHER_NAME",))
+    monkeypatch.setattr(lookup, "CODE_NAMES", ("OTHER_NAME",))
     assert text_params(["code-needle"])["heldout_wording_sha1"] != mine["heldout_wording_sha1"]
 
 

@@ -47,6 +47,10 @@ def test_pick_device():
     assert models.pick_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
+class Loaded(Exception):
+    """Raised by the recording loader: the test stops where the model would be used."""
+
+
 @pytest.fixture
 def calls(monkeypatch):
     """Records the calls of models.load_model instead of loading."""
@@ -60,25 +64,52 @@ def calls(monkeypatch):
     return made
 
 
-def test_eval_commands_load_through_it(calls):
-    from moba_hf.eval.cli import load_model
+@pytest.fixture
+def stop_at_load(calls, monkeypatch):
+    """models.load_model records its call, then raises Loaded."""
+    record = models.load_model
 
-    load_model("some/checkpoint", device="cpu")
-    given = object()
-    load_model("smollm2", dtype="auto", device="cuda:1", tokenizer=given)
-    load_model("smollm2", dtype="float16", device="cpu")
-    assert calls == [
-        ("some/checkpoint", {"dtype": "float32", "device": "cpu", "tokenizer": "required"}),
-        ("smollm2", {"dtype": "bfloat16", "device": "cuda:1", "tokenizer": given}),  # --dtype auto on CUDA
-        ("smollm2", {"dtype": "float16", "device": "cpu", "tokenizer": "required"}),
-    ]
+    def record_and_stop(name, **kwargs):
+        record(name, **kwargs)
+        raise Loaded
+
+    monkeypatch.setattr(models, "load_model", record_and_stop)
+    return calls
 
 
-def test_training_loads_through_it(calls):
-    from moba_hf.train import TrainConfig, load_model
+def test_commands_pick_bfloat16_only_on_cuda():
+    assert models.pick_dtype("auto", "cpu") == "float32"
+    assert models.pick_dtype("auto", "cuda:1") == "bfloat16"  # --dtype auto on CUDA
+    assert models.pick_dtype("float16", "cpu") == "float16" and models.pick_dtype("auto", None) == "float32"
+    assert models.pick_dtype() == ("bfloat16" if torch.cuda.is_available() else "float32")
 
-    load_model(TrainConfig.from_dict({"model": {"name": "some/checkpoint", "dtype": "bfloat16"}}))
-    assert calls == [("some/checkpoint", {"dtype": "bfloat16", "tokenizer": "optional"})]
+
+@pytest.mark.parametrize(
+    ("argv", "dtype", "device"),
+    [
+        ([], "float32", "cpu"),
+        ([], "bfloat16", "cuda:1"),  # --dtype auto on CUDA
+        (["--dtype", "float16"], "float16", "cpu"),
+    ],
+)
+def test_eval_commands_load_through_it(stop_at_load, tiny_dir, tmp_path, argv, dtype, device):
+    from moba_hf import cli
+
+    out = str(tmp_path / "out")
+    with pytest.raises(Loaded):
+        cli.main(["eval", "passkey", "--model", str(tiny_dir), "--device", device, "--out", out, *argv])
+    [(name, kwargs)] = stop_at_load
+    assert name == str(tiny_dir) and kwargs["dtype"] == dtype and kwargs["device"] == device
+    assert kwargs["tokenizer"] is not None  # the tokenizer the command checked the lengths with
+    assert set(kwargs) == {"dtype", "device", "tokenizer"}  # dense: settings are switched on later
+
+
+def test_training_loads_through_it(stop_at_load):
+    from moba_hf.train import TrainConfig, build_trainer
+
+    with pytest.raises(Loaded):
+        build_trainer(TrainConfig.from_dict({"model": {"name": "some/checkpoint", "dtype": "bfloat16"}}))
+    assert stop_at_load == [("some/checkpoint", {"dtype": "bfloat16", "tokenizer": "optional"})]
 
 
 def test_load_is_the_loader_for_embedded_names(calls):

@@ -8,8 +8,8 @@ import torch
 from moba_hf import MobaConfig, cli
 from moba_hf.eval import sweep
 from moba_hf.eval.families import FAMILIES
-from moba_hf.eval.passkey import WORDINGS, build_prompt, passkey_line
-from moba_hf.eval.runner import TRIALS_FILE, RunMismatch
+from moba_hf.eval.run_records import TRIALS_FILE, RunMismatch
+from moba_hf.prompts import WORDINGS, build_prompt, passkey_line
 
 
 def test_the_sweep_uses_the_passkey_prompt_builder(tokenizer):

@@ -8,8 +8,8 @@ import torch
 from tiny_models import TRAIN, tiny_model
 
 import moba_hf
-from moba_hf.eval.passkey import QUESTION, build_prompt, passkey_line
 from moba_hf.integration.layout import document_ids
+from moba_hf.prompts import QUESTION, build_prompt, passkey_line
 from moba_hf.train import Document, TrainConfig, build_dataset, collate, pack, read_documents
 from moba_hf.train.data import IGNORE
 from moba_hf.train.synthetic import TEMPLATES

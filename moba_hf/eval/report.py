@@ -109,8 +109,8 @@ def family_table(
     sparsity = aggregate([r for r in records if "family" in r], ("setting", "length"))
     longest = max(lengths)
     failures = failures or {}
-    head = ["setting", *[f"{f} @{n}" for f in families for n in lengths], f"worst family @{longest}",
-            f"sparsity @{longest}"]  # fmt: skip
+    head = ["setting", *[f"{f} @{n}" for f in families for n in lengths]]
+    head += [f"worst family @{longest}", f"sparsity @{longest}"]
     lines = ([f"### {title}", ""] if title else []) + ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in settings:
         row = [f"`{name}`" + (" (failed)" if name in failures else "")]
@@ -168,10 +168,8 @@ def heatmap(
 
     cells = aggregate(records, ("setting", "length", "depth"))
     failures = failures or {}
-    fig, axes = plt.subplots(
-        1, len(settings), figsize=(1.2 + 0.9 * len(lengths) * len(settings) + 1.0, 0.5 * len(depths) + 1.8),
-        squeeze=False, constrained_layout=True,
-    )  # fmt: skip
+    size = (1.2 + 0.9 * len(lengths) * len(settings) + 1.0, 0.5 * len(depths) + 1.8)
+    fig, axes = plt.subplots(1, len(settings), figsize=size, squeeze=False, constrained_layout=True)
     image = None
     for ax, name in zip(axes[0], settings, strict=True):
         grid = np.full((len(depths), len(lengths)), np.nan)

@@ -1,7 +1,7 @@
 """Training-free sweep: retrieval accuracy on several prompt families and perplexity, against measured sparsity,
 over many MoBA settings.
 
-The grid runs through the same results store and grid loop as every evaluation (`runner.run_grid`: one
+The grid runs through the same results store and grid loop as every evaluation (`grid.run_grid`: one
 resume rule), with the prompts of `families.FAMILIES` (passkey, prose-needle, kv-retrieval); trials of one
 family and length go through the model in batches of equal-length prompts (no padding), which makes dozens
 of settings affordable on one GPU. Settings are ranked, and the Pareto front drawn, on the accuracy of their
@@ -22,10 +22,12 @@ from typing import Any
 import torch
 
 from ..config import MobaConfig
+from .decoding import greedy_decode
 from .families import FAMILIES, Prompt, check_fits, parse_families, text_params
+from .grid import check_trials, open_store, run_grid, window_warnings
 from .ppl import window_nll
 from .report import load_pyplot, save_figure
-from .runner import atomic_write_text, greedy_decode, open_store, run_grid, window_warnings
+from .run_records import atomic_write_text
 from .settings import MOBA, SWEEP_GRID, Setting, parse_setting
 
 # (name, MobaConfig or None for dense): dense attention, then the named settings of `settings.SWEEP_GRID`
@@ -88,7 +90,7 @@ def run_sweep(
 
     families: names of `families.FAMILIES` (default: all). Re-running with the same out_dir skips finished
     trials; another model, other lengths, trials, batch, seed, families or text there are refused
-    (`runner.RunMismatch`) unless `allow_changed`. Lengths past the model's window are warned about.
+    (`run_records.RunMismatch`) unless `allow_changed`. Lengths past the model's window are warned about.
     """
     settings = [parse_setting(g) for g in grid]
     for setting in settings:
@@ -96,18 +98,15 @@ def run_sweep(
             raise ValueError(f"the sweep compares 'sdpa' with MoBA settings; got attn_implementation {setting.attn!r}")
     families = parse_families(families)
     lengths = sorted({int(n) for n in lengths})
-    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
-        raise ValueError(f"trials must be an integer >= 1, got {trials!r}")
+    check_trials(trials)
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
     check_fits(tokenizer, families, lengths)
     ppl_tokens = None if text_ids is None else int(text_ids.shape[1])
-    params = {
-        "lengths": lengths, "trials": trials, "seed": seed, "batch": batch, "families": families,
-        "new_tokens": {f: FAMILIES[f].new_tokens for f in families}, **text_params(families),
-        "ppl_tokens": ppl_tokens,
-        "ppl_sha1": None if text_ids is None else hashlib.sha1(str(text_ids.tolist()).encode()).hexdigest()[:16],
-    }  # fmt: skip
+    ppl_sha1 = None if text_ids is None else hashlib.sha1(str(text_ids.tolist()).encode()).hexdigest()[:16]
+    new_tokens = {f: FAMILIES[f].new_tokens for f in families}
+    params = {"lengths": lengths, "trials": trials, "seed": seed, "batch": batch, "families": families}
+    params.update(new_tokens=new_tokens, **text_params(families), ppl_tokens=ppl_tokens, ppl_sha1=ppl_sha1)
     warnings = window_warnings(model, settings, lengths, max(FAMILIES[f].new_tokens for f in families))
     warnings += window_warnings(model, settings, [ppl_tokens] if ppl_tokens else [])
     device = next(model.parameters()).device
@@ -134,19 +133,21 @@ def run_sweep(
             for i, tokens in zip(rows, decoded.rows, strict=True):
                 text = tokenizer.decode(tokens, skip_special_tokens=True)
                 got, correct = family.score(prompts[i].expected, text)
-                records[i] = {
-                    "expected": prompts[i].expected, "got": got, "correct": correct, "output": text,
-                    "prompt_tokens": n, "needle_token": prompts[i].needle_token,
-                    "prefill_seconds": decoded.prefill_seconds / len(rows), "batch": len(rows),
-                    "sparsity": decoded.sparsity,
-                }  # fmt: skip
+                found = {"expected": prompts[i].expected, "got": got, "correct": correct, "output": text}
+                cell = {"prompt_tokens": n, "needle_token": prompts[i].needle_token, "batch": len(rows)}
+                timing = {"prefill_seconds": decoded.prefill_seconds / len(rows), "sparsity": decoded.sparsity}
+                records[i] = {**found, **cell, **timing}
         return records
 
     cells = sweep_cells(lengths, trials, ppl_tokens, families)
-    with open_store(model, out_dir, "sweep", params, model_name=model_name, allow_changed=allow_changed,
-                    warnings=warnings) as store:  # fmt: skip
-        run_grid(model, settings, cells, None, store, progress=progress, desc="sweep", run_batch=run_batch,
-                 batch_size=batch, batch_key=lambda c: (c.get("family", c.get("task")), c["length"]))  # fmt: skip
+    common = {"model_name": model_name, "allow_changed": allow_changed, "warnings": warnings}
+
+    def batch_key(cell: dict[str, Any]) -> tuple[str, int]:
+        return cell.get("family", cell.get("task")), cell["length"]
+
+    with open_store(model, out_dir, "sweep", params, **common) as store:
+        grid = {"run_batch": run_batch, "batch_size": batch, "batch_key": batch_key}
+        run_grid(model, settings, cells, None, store, progress=progress, desc="sweep", **grid)
         rows = sweep_rows(store.records(settings), settings, store.failures, lengths, families)
         table = store.annotated(pareto_table(rows, lengths, families))
         store.write(settings, table, extra={"rows": [dataclasses.asdict(r) for r in rows]})
@@ -217,8 +218,8 @@ def pareto_table(rows: Sequence[SweepRow], lengths: Sequence[int], families: Seq
     top = max(lengths)
     front, order = pareto_front(rows, top), ranking(rows, top)
     head = ["setting", *[f"{f} {_short(n)}" for f in families for n in lengths]]
-    head += [f"worst family @{_short(top)}", f"sparsity @{_short(top)}", f"prefill s/trial @{_short(top)}", "ppl",
-             "rank", "Pareto"]  # fmt: skip
+    head += [f"worst family @{_short(top)}", f"sparsity @{_short(top)}", f"prefill s/trial @{_short(top)}"]
+    head += ["ppl", "rank", "Pareto"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     nan = float("nan")
     for r in rows:
@@ -260,13 +261,14 @@ def pareto_plot(rows: Sequence[SweepRow], length: int, path: str | Path) -> Path
         fig, ax = plt.subplots(figsize=(8, 5))
     for family, marker in zip(families, _MARKERS * 2, strict=False):
         mine = [r for r in ok if length in r.accuracy.get(family, {})]
-        ax.scatter([r.sparsity[length] for r in mine], [r.accuracy[family][length] for r in mine], marker=marker,
-                   alpha=0.6, label=family)  # fmt: skip
-    ax.scatter([r.sparsity[length] for r in ok], [r.worst[length] for r in ok], marker="x", color="black",
-               label="worst family")  # fmt: skip
+        accuracy = [r.accuracy[family][length] for r in mine]
+        ax.scatter([r.sparsity[length] for r in mine], accuracy, marker=marker, alpha=0.6, label=family)
+    worst = [r.worst[length] for r in ok]
+    ax.scatter([r.sparsity[length] for r in ok], worst, marker="x", color="black", label="worst family")
     _label_points(ax, [(r.name, r.sparsity[length], r.worst[length]) for r in ok])
-    ax.plot([r.sparsity[length] for r in front], [r.worst[length] for r in front], color="tab:red", marker="o",
-            markerfacecolor="none", markersize=11, label="Pareto front (worst family)")  # fmt: skip
+    line = {"color": "tab:red", "marker": "o", "markerfacecolor": "none", "markersize": 11}
+    front_xy = [r.sparsity[length] for r in front], [r.worst[length] for r in front]
+    ax.plot(*front_xy, **line, label="Pareto front (worst family)")
     ax.set_xlabel(f"measured sparsity at {length} tokens (fraction of causal pairs skipped, all layers)")
     ax.set_ylabel(f"retrieval accuracy at {length} tokens")
     ax.set_ylim(-0.05, 1.05)

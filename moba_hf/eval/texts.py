@@ -15,28 +15,72 @@ logger = logging.getLogger("moba_hf")
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
 
 _SUBJECTS = [
-    "The old lighthouse keeper", "A young engineer", "The village council", "Our neighbour's daughter",
-    "The travelling musician", "A quiet librarian", "The harbour master", "Every summer visitor",
-    "The baker on the corner", "A retired sea captain", "The school's new teacher", "The river ferryman",
-    "A curious botanist", "The night watchman", "The town's only doctor", "A wandering painter",
-]  # fmt: skip
+    "The old lighthouse keeper",
+    "A young engineer",
+    "The village council",
+    "Our neighbour's daughter",
+    "The travelling musician",
+    "A quiet librarian",
+    "The harbour master",
+    "Every summer visitor",
+    "The baker on the corner",
+    "A retired sea captain",
+    "The school's new teacher",
+    "The river ferryman",
+    "A curious botanist",
+    "The night watchman",
+    "The town's only doctor",
+    "A wandering painter",
+]
 _VERBS = [
-    "remembered", "repaired", "described", "carried", "painted", "counted", "studied", "forgot",
-    "borrowed", "measured", "explained", "collected", "discovered", "planted", "sold", "wrote about",
-]  # fmt: skip
+    "remembered",
+    "repaired",
+    "described",
+    "carried",
+    "painted",
+    "counted",
+    "studied",
+    "forgot",
+    "borrowed",
+    "measured",
+    "explained",
+    "collected",
+    "discovered",
+    "planted",
+    "sold",
+    "wrote about",
+]
 _OBJECTS = [
-    "the broken clock in the square", "a basket of winter apples", "the map of the northern hills",
-    "the letters from the mainland", "a lantern with green glass", "the recipe for barley bread",
-    "the names of the fishing boats", "a small wooden boat", "the stones along the old wall",
-    "the songs of the harvest festival", "the rainfall of the last decade", "a box of faded photographs",
-    "the path through the pine forest", "the bells of the chapel", "a ledger of forgotten debts",
-]  # fmt: skip
+    "the broken clock in the square",
+    "a basket of winter apples",
+    "the map of the northern hills",
+    "the letters from the mainland",
+    "a lantern with green glass",
+    "the recipe for barley bread",
+    "the names of the fishing boats",
+    "a small wooden boat",
+    "the stones along the old wall",
+    "the songs of the harvest festival",
+    "the rainfall of the last decade",
+    "a box of faded photographs",
+    "the path through the pine forest",
+    "the bells of the chapel",
+    "a ledger of forgotten debts",
+]
 _TAILS = [
-    "before the first snow arrived", "while the tide was going out", "on a grey afternoon in March",
-    "long after the market had closed", "with more patience than anyone expected", "in the week of the storm",
-    "as the swallows returned", "without telling anyone why", "under the light of a paper lamp",
-    "while the bread was still warm", "just as the ferry left", "during the long dry summer",
-]  # fmt: skip
+    "before the first snow arrived",
+    "while the tide was going out",
+    "on a grey afternoon in March",
+    "long after the market had closed",
+    "with more patience than anyone expected",
+    "in the week of the storm",
+    "as the swallows returned",
+    "without telling anyone why",
+    "under the light of a paper lamp",
+    "while the bread was still warm",
+    "just as the ferry left",
+    "during the long dry summer",
+]
 _ASIDES = [
     "Nobody in the valley could say how long this had been going on.",
     "The weather that year was mild, and the roads stayed open until December.",
@@ -44,7 +88,7 @@ _ASIDES = [
     "The children made up a rhyme about it, which they sang on the way to school.",
     "It was the kind of detail that visitors rarely noticed and locals never mentioned.",
     "In the evenings the square filled with people talking about small things.",
-]  # fmt: skip
+]
 
 
 def generated_text(n_words: int, seed: int = 0) -> str:
@@ -111,10 +155,12 @@ def load_texts(
 
 
 # modules whose docstrings make the offline long text (the sweep's perplexity text, the prose-needle haystack)
-STDLIB_MODULES = (
-    "argparse", "collections", "functools", "inspect", "json", "logging", "pathlib", "re", "typing", "unittest",
-    "email", "http.client", "asyncio", "subprocess", "threading", "decimal", "textwrap",
-)  # fmt: skip
+STDLIB_MODULES = tuple(
+    (
+        "argparse collections functools inspect json logging pathlib re typing unittest email http.client "
+        "asyncio subprocess threading decimal textwrap"
+    ).split()
+)
 
 _CODE_LINE = re.compile(r"^\s*(>>>|\.\.\.|[$%]|[-=*~^]{3,})|^\s{2,}\S")
 _PROSE_SENTENCE = re.compile(r"^[A-Z][A-Za-z0-9 ,;:'\"()/\-]+[a-z)][.!?]$")
@@ -187,13 +233,39 @@ def code_digest() -> str:
 
 _ITEM_COLOURS = ("red", "green", "blue", "grey", "white", "black", "yellow", "brown", "orange", "purple")
 _ITEM_THINGS = (
-    "umbrella", "kettle", "notebook", "scarf", "lamp", "basket", "teapot", "ladder", "blanket", "bucket",
-    "hammer", "candle", "mirror", "pillow", "shovel", "suitcase", "bicycle bell", "flower vase",
-)  # fmt: skip
+    "umbrella",
+    "kettle",
+    "notebook",
+    "scarf",
+    "lamp",
+    "basket",
+    "teapot",
+    "ladder",
+    "blanket",
+    "bucket",
+    "hammer",
+    "candle",
+    "mirror",
+    "pillow",
+    "shovel",
+    "suitcase",
+    "bicycle bell",
+    "flower vase",
+)
 _ITEM_PLACES = (
-    "top shelf", "garden shed", "attic", "cellar", "hall cupboard", "kitchen drawer", "garage", "spare room",
-    "back porch", "wardrobe", "under the stairs", "bathroom cabinet",
-)  # fmt: skip
+    "top shelf",
+    "garden shed",
+    "attic",
+    "cellar",
+    "hall cupboard",
+    "kitchen drawer",
+    "garage",
+    "spare room",
+    "back porch",
+    "wardrobe",
+    "under the stairs",
+    "bathroom cabinet",
+)
 _ITEM_STATES = ("clean", "dusty", "new", "broken", "borrowed", "packed", "on loan", "missing a handle", "wrapped")
 
 
@@ -215,31 +287,51 @@ def generated_rows(n_rows: int, seed: int = 0) -> list[str]:
 _LOG_LEVELS = ("INFO", "INFO", "INFO", "DEBUG", "WARN")
 _LOG_SERVICES = ("scheduler", "mailer", "auth", "storage", "billing", "search", "gateway", "indexer", "cache")
 _LOG_EVENTS = (
-    "nightly backup finished for the archive volume", "user session refreshed", "queue drained, worker idle",
-    "retrying upload after a slow response", "configuration reloaded from disk", "cache entry evicted",
-    "health check passed", "report generated and sent to the owners", "connection pool resized",
-    "stale lock released", "request served from the replica", "password reset mail queued",
-    "disk usage above the soft limit", "slow query logged for review", "certificate still valid",
-)  # fmt: skip
+    "nightly backup finished for the archive volume",
+    "user session refreshed",
+    "queue drained, worker idle",
+    "retrying upload after a slow response",
+    "configuration reloaded from disk",
+    "cache entry evicted",
+    "health check passed",
+    "report generated and sent to the owners",
+    "connection pool resized",
+    "stale lock released",
+    "request served from the replica",
+    "password reset mail queued",
+    "disk usage above the soft limit",
+    "slow query logged for review",
+    "certificate still valid",
+)
 
 
 def generated_log(n_lines: int, seed: int = 0) -> list[str]:
     """`n_lines` lines of a service log ("[INFO] storage: cache entry evicted"; no digits, so a number in the
     log stands out as the fact), deterministic in `seed`."""
     rng = random.Random(f"log:{seed}")
-    return [f"[{rng.choice(_LOG_LEVELS)}] {rng.choice(_LOG_SERVICES)}: {rng.choice(_LOG_EVENTS)}"
-            for _ in range(n_lines)]  # fmt: skip
+    return [
+        f"[{rng.choice(_LOG_LEVELS)}] {rng.choice(_LOG_SERVICES)}: {rng.choice(_LOG_EVENTS)}" for _ in range(n_lines)
+    ]
 
 
 _CHAT_PEOPLE = ("Ana", "Ben", "Chloe", "Dev", "Elena", "Femi")
 _CHAT_LINES = (
-    "did anyone water the plants on the balcony?", "I'll be a bit late, the bus is slow today",
-    "the meeting moved to the small room", "can someone bring the charger back?", "lunch at the usual place?",
-    "the printer on the second floor is jammed again", "I finished the slides, have a look when you can",
-    "thanks, that helped a lot", "who has the key to the storage room?", "the coffee machine is fixed",
-    "let's push the review to after lunch", "I left my umbrella by the door", "sounds good to me",
-    "does the train still stop at the old station?", "the parcel arrived this morning",
-)  # fmt: skip
+    "did anyone water the plants on the balcony?",
+    "I'll be a bit late, the bus is slow today",
+    "the meeting moved to the small room",
+    "can someone bring the charger back?",
+    "lunch at the usual place?",
+    "the printer on the second floor is jammed again",
+    "I finished the slides, have a look when you can",
+    "thanks, that helped a lot",
+    "who has the key to the storage room?",
+    "the coffee machine is fixed",
+    "let's push the review to after lunch",
+    "I left my umbrella by the door",
+    "sounds good to me",
+    "does the train still stop at the old station?",
+    "the parcel arrived this morning",
+)
 
 
 def generated_chat(n_lines: int, seed: int = 0) -> list[str]:
@@ -250,25 +342,48 @@ def generated_chat(n_lines: int, seed: int = 0) -> list[str]:
 
 
 _MANUAL_ACTIONS = (
-    "Press and hold the power button", "Open the side panel", "Unplug the charging cable", "Turn the dial slowly",
-    "Clean the filter with warm water", "Close the lid firmly", "Check the indicator light", "Remove the cover",
-    "Wait for the fan to stop", "Slide the tray back into place", "Tighten the screws by hand", "Reset the timer",
-)  # fmt: skip
+    "Press and hold the power button",
+    "Open the side panel",
+    "Unplug the charging cable",
+    "Turn the dial slowly",
+    "Clean the filter with warm water",
+    "Close the lid firmly",
+    "Check the indicator light",
+    "Remove the cover",
+    "Wait for the fan to stop",
+    "Slide the tray back into place",
+    "Tighten the screws by hand",
+    "Reset the timer",
+)
 _MANUAL_PURPOSES = (
-    "to avoid damage to the motor", "before you move the device", "so that the seal stays dry",
-    "until the light turns green", "if the display stays dark", "when the device is cold", "after every use",
-    "before the first start", "if you hear a rattling sound", "to keep the warranty valid",
-)  # fmt: skip
+    "to avoid damage to the motor",
+    "before you move the device",
+    "so that the seal stays dry",
+    "until the light turns green",
+    "if the display stays dark",
+    "when the device is cold",
+    "after every use",
+    "before the first start",
+    "if you hear a rattling sound",
+    "to keep the warranty valid",
+)
 _MANUAL_NOTES = (
-    "Do not use sharp tools on the housing.", "Keep the device away from open flames.",
-    "Children should not play with the device.", "Store the manual in a safe place.",
-    "Contact the service centre if the problem persists.", "Use only the supplied accessories.",
-)  # fmt: skip
+    "Do not use sharp tools on the housing.",
+    "Keep the device away from open flames.",
+    "Children should not play with the device.",
+    "Store the manual in a safe place.",
+    "Contact the service centre if the problem persists.",
+    "Use only the supplied accessories.",
+)
 
 
 def generated_manual(n_sentences: int, seed: int = 0) -> list[str]:
     """`n_sentences` sentences of an appliance manual ("Open the side panel before you move the device."; no
     digits), deterministic in `seed`."""
     rng = random.Random(f"manual:{seed}")
-    return [rng.choice(_MANUAL_NOTES) if rng.random() < 0.2 else
-            f"{rng.choice(_MANUAL_ACTIONS)} {rng.choice(_MANUAL_PURPOSES)}." for _ in range(n_sentences)]  # fmt: skip
+    return [
+        rng.choice(_MANUAL_NOTES)
+        if rng.random() < 0.2
+        else f"{rng.choice(_MANUAL_ACTIONS)} {rng.choice(_MANUAL_PURPOSES)}."
+        for _ in range(n_sentences)
+    ]

@@ -17,7 +17,6 @@ _WHERE = {
     "build_trainer": "trainer",
     "collate": "data",
     "last_checkpoint": "trainer",
-    "load_model": "trainer",
     "pack": "data",
     "prepare_model": "trainer",
     "read_documents": "data",

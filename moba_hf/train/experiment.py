@@ -20,11 +20,14 @@ from typing import Any
 
 import torch
 
-from ..eval.passkey import random_passkey, run_trial
-from ..eval.runner import ResultStore, model_info, run_grid
+from ..eval.grid import model_info, run_grid
+from ..eval.passkey import run_trial
+from ..eval.run_store import ResultStore
 from ..eval.settings import Setting
+from ..models import load_model
+from ..prompts import random_passkey
 from .cli import load_config
-from .trainer import load_model, train
+from .trainer import train
 
 
 def _trial_cells(lengths: list[int], trials: int, seed: int) -> list[dict[str, Any]]:
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer = load_model(config)
+    model, tokenizer = load_model(config.model.name, dtype=config.model.dtype, tokenizer="optional")
     model.to(device)
     print(f"before training ({config.model.name}, {config.moba}):", flush=True)
     before = evaluate(model, tokenizer, config.moba, lengths, args.trials, args.seed, args.before.split(","))

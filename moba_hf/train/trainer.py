@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from transformers import Trainer
 
+from .. import models
 from ..integration import apply
 from ..rundir import DirLock, lock_dir
 from ..window import check_positions
@@ -138,14 +139,6 @@ def last_checkpoint(output_dir: str | Path) -> Path | None:
     return max(steps)[1] if steps else None
 
 
-def load_model(config: TrainConfig) -> tuple[Any, Any]:
-    """(model, tokenizer or None) for `config.model.name`: an embedded name, a local path or a hub id; a bare
-    checkpoint without a tokenizer gives None (its data must then come as token ids)."""
-    from ..models import load_model as load
-
-    return load(config.model.name, dtype=config.model.dtype, tokenizer="optional")
-
-
 def prepare_model(model: Any, config: TrainConfig) -> Any:
     """MoBA on, cache off (a cache would hide packed documents from the sdpa mask), freezing or LoRA."""
     apply(model, config.moba)
@@ -251,7 +244,8 @@ def build_trainer(
 ) -> tuple[Any, AttentionSchedule]:
     """(Trainer, schedule callback) ready for `.train()`; pass `model` / `dataset` to skip loading them."""
     if model is None:
-        model, tokenizer = load_model(config)
+        # a bare checkpoint gives tokenizer None: its data must then come as token ids
+        model, tokenizer = models.load_model(config.model.name, dtype=config.model.dtype, tokenizer="optional")
     model = prepare_model(model, config)
     if dataset is None:
         dataset = build_dataset(config, tokenizer, vocab_size=vocab_size(model))
@@ -355,7 +349,7 @@ def _train(
                 )
             return TrainResult(None, [], {}, [], is_main_process(), checkpoint, finished_at=step)
         if model is None:
-            model, tokenizer = load_model(config)
+            model, tokenizer = models.load_model(config.model.name, dtype=config.model.dtype, tokenizer="optional")
         if dataset is None:
             dataset = build_dataset(config, tokenizer, vocab_size=vocab_size(model))
         warn_past_window(config, model, dataset)
