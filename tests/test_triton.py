@@ -20,7 +20,15 @@ import sys
 
 import pytest
 import torch
-from kernel_cases import assert_propagates_like_reference, case_tol, flash_atol, moba_inputs, rounding_tol, selection
+from kernel_cases import (
+    assert_propagates_like_reference,
+    call,
+    case_tol,
+    flash_atol,
+    moba_inputs,
+    rounding_tol,
+    selection,
+)
 from kernel_cases import fwd_bwd as _fwd_bwd
 from kernel_cases import gate_id as _gate_id
 from kernel_cases import shape_id as _id
@@ -187,7 +195,7 @@ def test_supports_only_cuda_or_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     assert not _REGISTRY["triton"].runs_on(q)
     with pytest.raises(ValueError, match="CUDA"):
-        moba_attention_triton(q, q, q, block_size=4, top_k=2)
+        call(moba_attention_triton, q, q, q, block_size=4, top_k=2)
 
 
 def test_bad_arguments_raise_value_error():
@@ -195,9 +203,9 @@ def test_bad_arguments_raise_value_error():
 
     q, kv = torch.zeros(1, 2, 8, 8), torch.zeros(1, 3, 8, 8)
     with pytest.raises(ValueError, match="top_k"):
-        moba_attention_triton(q, q, q, block_size=4, top_k=0)
+        call(moba_attention_triton, q, q, q, block_size=4, top_k=0)
     with pytest.raises(ValueError, match="multiple"):
-        moba_attention_triton(q, kv, kv, block_size=4, top_k=2)
+        call(moba_attention_triton, q, kv, kv, block_size=4, top_k=2)
 
 
 @pytest.mark.parametrize(
@@ -248,4 +256,4 @@ def test_registry_runs_triton_when_interpreting(triton_impl, monkeypatch):
     assert kernels.resolve_backend("triton", q) == "triton"
     out = kernels.moba_attention(q, q, q, block_size=8, top_k=2, backend="triton")
     tol = rounding_tol(torch.float64, 20, 20, 8)
-    torch.testing.assert_close(out, moba_attention_reference(q, q, q, block_size=8, top_k=2), atol=tol, rtol=tol)
+    torch.testing.assert_close(out, call(moba_attention_reference, q, q, q, block_size=8, top_k=2), atol=tol, rtol=tol)

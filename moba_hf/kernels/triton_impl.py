@@ -24,8 +24,9 @@ import contextlib
 
 import torch
 
-from .checks import check_moba_args, cuda_or_triton_interpreter, effective_block_size, gate_dtype, num_blocks
+from .checks import cuda_or_triton_interpreter, effective_block_size, gate_dtype, num_blocks
 from .nonfinite import route_nonfinite
+from .plan import BlockPlan, check_call
 from .selection import GateOptions, selection_slices
 
 try:
@@ -313,36 +314,18 @@ class _MobaTriton(torch.autograd.Function):
 
 
 def moba_attention_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    block_size: int,
-    top_k: int,
-    scale: float | None = None,
-    pooling: str = "mean",
-    sink_blocks: int = 0,
-    local_blocks: int = 0,
-    top_p: float | None = None,
-    min_top_k: int = 1,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, scale: float | None = None
 ) -> torch.Tensor:
-    """MoBA attention with Triton kernels; same contract as `moba_attention_reference`.
-
-    q: [B, Hq, Nq, D]; k, v: [B, Hkv, Nk, D] with Hq % Hkv == 0 and Nq <= Nk (queries are the last Nq
-    positions). Returns [B, Hq, Nq, D] in q's dtype; differentiable in q, k, v.
-    """
-    gate = GateOptions(pooling, sink_blocks, local_blocks, top_p, min_top_k)
-    check_moba_args(q, k, v, block_size=block_size, top_k=top_k)
-    block_size = effective_block_size(block_size, k.shape[2])  # bounded by the sequence
+    """MoBA attention with Triton kernels (the contract of `moba_attention_reference`); differentiable in q, k, v."""
+    check_call(q, k, v, plan)
+    block_size = effective_block_size(plan.block_size, k.shape[2])  # bounded by the sequence
     if not cuda_or_triton_interpreter(q):
         raise ValueError(f"backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), got device {q.device}")
-    guarded = route_nonfinite(
-        moba_attention_triton, q, k, v, scale=scale, block_size=block_size, top_k=top_k, gate=gate
-    )
+    guarded = route_nonfinite(moba_attention_triton, q, k, v, plan, scale)
     if guarded is not None:
         return guarded
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    slots = _slot_lists(q, k, block_size=block_size, top_k=top_k, gate=gate)
+    slots = _slot_lists(q, k, block_size=block_size, top_k=plan.top_k, gate=plan.gate)
     plan = _Plan(slots, k.shape[1], num_blocks(k.shape[2], block_size), _block_m(q))
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
