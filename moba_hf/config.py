@@ -10,7 +10,6 @@ import dataclasses
 import functools
 import json
 import logging
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any

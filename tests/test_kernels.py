@@ -268,9 +268,9 @@ def test_flex_cpu_gradients_use_torch_backend(caplog, monkeypatch):
 _REGISTERED_CALLS: list[int] = []
 
 
-def registered_backend(q, k, v, **kw):
-    _REGISTERED_CALLS.append(kw["block_size"])
-    return call(moba_attention_reference, q, k, v, **kw)
+def registered_backend(q, k, v, plan, scale=None):
+    _REGISTERED_CALLS.append(plan.block_size)
+    return moba_attention_reference(q, k, v, plan, scale)
 
 
 def test_registered_backend_runs_end_to_end(monkeypatch):

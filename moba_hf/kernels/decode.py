@@ -149,12 +149,12 @@ def moba_decode(
     *,
     block_size: int,
     top_k: int,
-    scale: float | None = None,
     pooling: str = "mean",
     sink_blocks: int = 0,
     local_blocks: int = 0,
     top_p: float | None = None,
     min_top_k: int = 1,
+    scale: float | None = None,
     starts: torch.Tensor | None = None,
     return_selection: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

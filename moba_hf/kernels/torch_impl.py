@@ -408,10 +408,9 @@ def _backward(do, q, k, v, out, lse, plan: _Plan, block_size: int, scale: float,
                 acc.unflatten(2, (-1, tile)).add_(_untile(grad, acc.shape[0]))
             for t0 in range(tile, bs, tile):
                 rows, keys = slice(t0, t0 + tile), slice(0, t0)
-                gq, gk, gv = attention_with_lse_backward(
-                    dob[:, :, rows], qb[:, :, rows], kb[:, :, keys], vb[:, :, keys], ob[:, :, rows], lb[:, :, rows],
-                    None, scale,
-                )  # fmt: skip
+                later = (t[:, :, rows] for t in (dob, qb))
+                earlier = (t[:, :, keys] for t in (kb, vb))
+                gq, gk, gv = attention_with_lse_backward(*later, *earlier, ob[:, :, rows], lb[:, :, rows], None, scale)
                 dqb[:, :, rows].add_(gq)
                 dkb[:, :, keys].add_(gk)
                 dvb[:, :, keys].add_(gv)
