@@ -39,7 +39,7 @@ class Dca:
     inv_freq: torch.Tensor
 
     def applies(self, num_keys: int) -> bool:
-        """DCA changes nothing while a sequence fits in one chunk: the plain path then runs (bit-exact)."""
+        """DCA changes nothing while a sequence fits in one chunk: the plain route then runs (bit-exact)."""
         return num_keys > self.params.chunk_size
 
     def kwargs(self, num_keys: int) -> dict[str, object]:

@@ -23,8 +23,8 @@ class BlockPlan:
     block_size: keys per block (the last block may be shorter)
     top_k:      blocks each query attends, counting its own (1: own block only)
     gate:       pooling, forced sink / local blocks, adaptive budget (`GateOptions`)
-    dense_tail: the last n queries attend every earlier key (applied by `attend_plan`; backends take plans
-                without one)
+    dense_tail: the last n queries attend every earlier key (applied by `attend_plan` and `dca_attention`;
+                backends take plans without one)
     """
 
     block_size: int
