@@ -13,7 +13,7 @@ faster). Settings: "default" (block 512, top 3, mean gate; --block-size / --top-
 densely); at model level its layers 0 and 1 are dense).
 
 Op: one decode step of one layer with SmolLM2's heads (B=1, Hq=9, Hkv=3, D=64, float32). MoBA = append the new key
-to the layer's block state + its pooled keys + `moba_decode` (gate + the selected blocks), what decode="moba" runs
+to the layer's block state + its pooled keys + `decode_plan` (gate + the selected blocks), what decode="moba" runs
 per layer; SDPA = `F.scaled_dot_product_attention` over the whole cache. Checked against `moba_attention_reference`
 (and SDPA against dense attention) before timing.
 
@@ -47,8 +47,8 @@ from bench_attention import append_rows, busy  # noqa: E402
 
 from moba_hf import MobaConfig  # noqa: E402
 from moba_hf.integration import cache as moba_cache  # noqa: E402
-from moba_hf.kernels import moba_attention_reference  # noqa: E402
-from moba_hf.kernels.decode import moba_decode  # noqa: E402
+from moba_hf.kernels import BlockPlan, moba_attention_reference  # noqa: E402
+from moba_hf.kernels.decode import decode_plan  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
 
@@ -102,7 +102,7 @@ class OpCase:
         gen = torch.Generator().manual_seed(context)
         self.q = torch.randn(1, HEADS, 1, HEAD_DIM, generator=gen)
         self.k, self.v = (torch.randn(1, KV_HEADS, context, HEAD_DIM, generator=gen) for _ in range(2))
-        self.kw = moba.kernel_kwargs(1)
+        self.plan = moba.plan(1)  # a decode step's
         self.new_key = self.k[:, :, -1:]
         state = moba_cache.BlockState(self.k, moba.block_size, moba.pooling)
         state.append(self.k[:, :, :-1], None)
@@ -111,20 +111,20 @@ class OpCase:
 
     def check(self, moba: MobaConfig) -> float:
         self.state.append(self.new_key, None)  # the exact cache: pooled keys of all `context` keys
-        got = moba_decode(self.q, self.k, self.v, self.state.block_keys(), **self.kw)
-        want = moba_attention_reference(self.q, self.k, self.v, **self.kw)
+        got = decode_plan(self.q, self.k, self.v, self.state.block_keys(), self.plan)
+        want = moba_attention_reference(self.q, self.k, self.v, self.plan)
         tol = 2 * (self.k.shape[2] + HEAD_DIM) * torch.finfo(torch.float32).eps  # rounding of the sums
         error = float((got - want).abs().max())
         if not error <= tol:
-            raise AssertionError(f"moba_decode differs from the reference by {error:.2e} (> {tol:.2e})")
-        dense = moba_attention_reference(self.q, self.k, self.v, block_size=self.k.shape[2], top_k=1)
+            raise AssertionError(f"decode_plan differs from the reference by {error:.2e} (> {tol:.2e})")
+        dense = moba_attention_reference(self.q, self.k, self.v, BlockPlan(self.k.shape[2], 1))
         torch.testing.assert_close(self.sdpa(), dense, rtol=tol, atol=tol)
         return error
 
     def moba(self) -> torch.Tensor:
         # the state keeps growing by the new key (later blocks are ignored by the kernel): the cost of a real step
         self.state.append(self.new_key, None)
-        return moba_decode(self.q, self.k, self.v, self.state.block_keys(), **self.kw)
+        return decode_plan(self.q, self.k, self.v, self.state.block_keys(), self.plan)
 
     def sdpa(self) -> torch.Tensor:
         return F.scaled_dot_product_attention(self.q, self.k, self.v, enable_gqa=True)

@@ -36,7 +36,6 @@ from moba_hf.kernels import (  # noqa: E402
     GateOptions,
     backend_available,
     moba_attention,
-    moba_attention_reference,
     selected_blocks,
 )
 
@@ -99,7 +98,7 @@ def verify(backend: str, gate: str = "top 3") -> dict:
         return [out.float(), *(g.float() for g in torch.autograd.grad(out, (q, k, v), grad32.to(dtype)))]
 
     # the selection is discrete: compare on the blocks the bf16 inputs select, computed exactly in fp32
-    exact = run(lambda q, k, v, **a: moba_attention_reference(q.float(), k.float(), v.float(), **a), torch.bfloat16)
+    exact = run(lambda *t, **a: moba_attention(*(x.float() for x in t), backend="reference", **a), torch.bfloat16)
     baseline = run(naive_same_dtype, torch.bfloat16)
     mine = run(lambda q, k, v, **a: moba_attention(q, k, v, backend=backend, **a), torch.bfloat16)
     res = {}

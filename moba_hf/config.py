@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,7 +29,7 @@ from .options import (
 )
 
 if TYPE_CHECKING:
-    from .kernels.selection import GateOptions
+    from .kernels.plan import BlockPlan
 
 
 DECODE_MODES = ("moba", "full")
@@ -158,32 +157,24 @@ class MobaConfig:
                 )
             object.__setattr__(self, "full_attn_layer_ids", tuple(ids))
 
-    @functools.cached_property  # read by every decode step; the fields it copies are frozen
-    def gate(self) -> GateOptions:
-        """The gate's pooling and forced blocks, as the kernels take them."""
-        from .kernels.selection import GateOptions
+    def plan(self, num_queries: int) -> BlockPlan:
+        """The kernels' `BlockPlan` of a call with `num_queries` new queries: a decode step's (one query: the
+        `decode_top_k` budget, no dense tail) or a prompt's (`top_k`, `dense_tail`). Built once per config."""
+        prompt, step = self._plans
+        return step if num_queries == 1 else prompt
 
-        return GateOptions(self.pooling, self.sink_blocks, self.local_blocks, self.top_p, self.min_top_k)
+    @functools.cached_property  # read by every call; the fields it copies are frozen
+    def _plans(self) -> tuple[BlockPlan, BlockPlan]:
+        from .kernels.plan import BlockPlan
 
-    def step_top_k(self, num_queries: int | None) -> int:
-        """The block budget of a call with `num_queries` new queries: `decode_top_k` for a single-token step when
-        set, else `top_k` (None: not a decode step)."""
-        return self.decode_top_k if num_queries == 1 and self.decode_top_k is not None else self.top_k
-
-    def kernel_kwargs(self, num_queries: int | None = None) -> dict[str, Any]:
-        """The MoBA keywords shared by the kernels' public functions (`moba_attention`, `moba_decode`,
-        `dca_attention`) for a call with `num_queries` new queries (1: a decode step's budget; None: a prompt's);
-        `prefill_kwargs` adds the dense tail."""
-        return dict(block_size=self.block_size, top_k=self.step_top_k(num_queries), **self.gate.as_kwargs())
+        gate = (self.pooling, self.sink_blocks, self.local_blocks, self.top_p, self.min_top_k)
+        prompt = BlockPlan.build(self.block_size, self.top_k, *gate, dense_tail=self.dense_tail)
+        step = dataclasses.replace(prompt, top_k=self.decode_top_k or self.top_k, dense_tail=0)
+        return prompt, step
 
     def tail_queries(self, num_queries: int) -> int:
         """How many of a call's `num_queries` new queries attend densely (`dense_tail`; none in a decode step)."""
-        return min(self.dense_tail, num_queries) if num_queries > 1 else 0
-
-    def prefill_kwargs(self, num_queries: int) -> dict[str, Any]:
-        """`kernel_kwargs` plus the dense tail of a call with `num_queries` new queries (`moba_attention`,
-        `dca_attention`)."""
-        return dict(self.kernel_kwargs(num_queries), dense_tail=self.tail_queries(num_queries))
+        return min(self.plan(num_queries).dense_tail, num_queries)
 
     # --- which layers are dense -------------------------------------------------------------------
     def full_layer_set(self, num_layers: int) -> frozenset[int]:
@@ -209,26 +200,17 @@ class MobaConfig:
     def theoretical_sparsity(self, seq_len: int) -> float:
         """Fraction of causal query-key pairs a prefill of `seq_len` tokens skips.
 
-        Exact for the block layout: each query attends its own block causally plus up to
-        `top_k - 1` full earlier blocks (sink and local blocks included in the count, assuming the
-        gate picks other blocks), and the last `dense_tail` queries attend every earlier key.
+        Exact for the block layout (`BlockPlan.attended_pairs`, the count sparsity tracking uses): each query
+        attends its own block causally, its sink and local blocks and top_k - 1 other earlier blocks, and the
+        last `dense_tail` queries attend every earlier key.
         Full-attention layers are not counted here. With `top_p` this is the fewest pairs skipped (every query
         at its top_k); the adaptive budget's own figure is measured (`moba_hf.track_sparsity`).
         """
         check_count("seq_len", seq_len, 1)
         if not self.sparse:
             return 0.0
-        bs = self.block_size
         causal_pairs = seq_len * (seq_len + 1) // 2
-        extra = self.top_k - 1 + self.sink_blocks + self.local_blocks
-        tail = self.tail_queries(seq_len)
-        head = seq_len - tail  # queries that attend sparsely
-        attended = 0
-        for c in range(math.ceil(head / bs)):
-            n = min(bs, head - c * bs)  # sparse queries in block c (they see the block's keys up to themselves)
-            attended += n * (n + 1) // 2 + n * min(c, extra) * bs
-        attended += causal_pairs - head * (head + 1) // 2  # the dense tail
-        return 1.0 - attended / causal_pairs
+        return 1.0 - self.plan(seq_len).attended_pairs(seq_len, seq_len) / causal_pairs
 
     # --- (de)serialisation ------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 The transformers attention function (`integration.attention`) and the vLLM backend (`vllm.paged`) each cut a
 call into sequences and read their keys and values as the host stores them; for every sequence they ask the
-core which path runs and run it here::
+core which route it takes and run it here::
 
     dense layer / sparse = false / a decode step with decode = "full"   ->  "sdpa"      causal attention
     otherwise                                                           ->  "moba"      MoBA's blocks
@@ -22,12 +22,12 @@ import torch
 
 from .config import MobaConfig
 from .dca.config import DcaParams
-from .kernels import moba_attention, selected_blocks
+from .kernels import attend_plan, selected_blocks
 from .kernels.causal import causal_attention_unchecked
-from .kernels.decode import CacheWindows, moba_decode, moba_decode_cache
+from .kernels.decode import CacheWindows, decode_plan, moba_decode_cache
 from .kernels.dual_chunk import dca_attention, dca_selection
 
-Path = Literal["sdpa", "moba", "dca", "dca+moba"]
+Route = Literal["sdpa", "moba", "dca", "dca+moba"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +39,18 @@ class Dca:
     inv_freq: torch.Tensor
 
     def applies(self, num_keys: int) -> bool:
-        """DCA changes nothing while a sequence fits in one chunk: the plain path then runs (bit-exact)."""
+        """DCA changes nothing while a sequence fits in one chunk: the plain route then runs (bit-exact)."""
         return num_keys > self.params.chunk_size
+
+    def kwargs(self, num_keys: int) -> dict[str, object]:
+        """`dca_attention`'s DCA keywords for a sequence of `num_keys` keys."""
+        p = self.params
+        return dict(
+            pretraining_length=p.pretraining_length,
+            chunk_size=p.chunk_size,
+            inv_freq=self.inv_freq,
+            temperature=p.temperature_factor(num_keys),
+        )
 
 
 def runs_dense(config: MobaConfig, num_queries: int, dense_layer: bool) -> bool:
@@ -49,9 +59,8 @@ def runs_dense(config: MobaConfig, num_queries: int, dense_layer: bool) -> bool:
     return dense_layer or not config.sparse or (num_queries == 1 and config.decode == "full")
 
 
-def path(config: MobaConfig, num_queries: int, num_keys: int, *, dense_layer: bool, dca: Dca | None) -> Path:
-    """Which attention a sequence of `num_queries` new queries over `num_keys` keys gets."""
-    dense = runs_dense(config, num_queries, dense_layer)
+def route(dense: bool, num_keys: int, dca: Dca | None) -> Route:
+    """Which attention a sequence over `num_keys` keys gets; `dense`: `runs_dense`'s answer for it."""
     if dca is not None and dca.applies(num_keys):
         return "dca" if dense else "dca+moba"
     return "sdpa" if dense else "moba"
@@ -63,34 +72,30 @@ def attend(
     v: torch.Tensor,
     config: MobaConfig,
     scale: float | None,
-    route: Path,
+    route: Route,
     dca: Dca | None = None,
 ) -> torch.Tensor:
     """q: [B, Hq, Nq, D], the last Nq positions of k, v: [B, Hkv, Nk, D] (the rows share one layout) ->
-    [B, Hq, Nq, D] along `route` (`path`'s answer). q, k, v are a model's own (shapes and dtypes by
+    [B, Hq, Nq, D] along `route` (`route`'s answer). q, k, v are a model's own (shapes and dtypes by
     construction): dense attention runs without the public entries' checks."""
     nq, nk = q.shape[2], k.shape[2]
     if route in ("dca", "dca+moba"):
-        p = dca.params
-        moba = {} if route == "dca" else config.prefill_kwargs(nq)
-        return dca_attention(
-            q, k, v, pretraining_length=p.pretraining_length, chunk_size=p.chunk_size, inv_freq=dca.inv_freq,
-            scale=scale, temperature=p.temperature_factor(nk), **moba,
-        )  # fmt: skip
+        plan = None if route == "dca" else config.plan(nq)
+        return dca_attention(q, k, v, **dca.kwargs(nk), scale=scale, plan=plan)
     if route == "sdpa":
         return causal_attention_unchecked(q, k, v, scale)
-    return moba_attention(q, k, v, scale=scale, backend=config.backend, **config.prefill_kwargs(nq))
+    return attend_plan(q, k, v, config.plan(nq), scale, backend=config.backend)
 
 
 def selection(q: torch.Tensor, k: torch.Tensor, config: MobaConfig, dca: Dca | None = None) -> torch.Tensor:
-    """The blocks the "moba" (or, with `dca`, "dca+moba") path lets each query attend: bool [B, Hq, Nq,
+    """The blocks the "moba" (or, with `dca`, "dca+moba") route lets each query attend: bool [B, Hq, Nq,
     n_blocks], before any dense tail. What sparsity tracking counts when the budget is adaptive (`top_p`)."""
-    gate = dict(block_size=config.block_size, top_k=config.step_top_k(q.shape[2]), gate=config.gate)
+    plan = config.plan(q.shape[2])
     if dca is None:
-        return selected_blocks(q, k, **gate)
+        return selected_blocks(q, k, block_size=plan.block_size, top_k=plan.top_k, gate=plan.gate)
     p = dca.params
     return dca_selection(
-        q, k, pretraining_length=p.pretraining_length, chunk_size=p.chunk_size, inv_freq=dca.inv_freq, **gate
+        q, k, pretraining_length=p.pretraining_length, chunk_size=p.chunk_size, inv_freq=dca.inv_freq, plan=plan
     )
 
 
@@ -108,16 +113,11 @@ def decode(
     with `block_keys` (the pooled keys the host keeps beside its cache) and nothing else.
 
     cache: (k, v) tensors [B, Hkv, Nk, D] (rows may start at `starts`, left padding), or any `CacheWindows`
-    (a paged cache: rows start at position 0). The same math as `attend` on the "moba" path."""
+    (a paged cache: rows start at position 0). The same math as `attend` on the "moba" route."""
+    plan = config.plan(q.shape[2]).sparse  # a decode call's queries are new tokens: no tail (`cache.cached_step`)
     if isinstance(cache, tuple):
         k, v = cache
-        return moba_decode(
-            q, k, v, block_keys, scale=scale, starts=starts, return_selection=return_selection,
-            **config.kernel_kwargs(q.shape[2]),
-        )  # fmt: skip
+        return decode_plan(q, k, v, block_keys, plan, scale, starts=starts, return_selection=return_selection)
     if starts is not None or return_selection:
         raise ValueError("decode over a windowed cache takes rows that start at position 0 and returns no selection")
-    return moba_decode_cache(
-        q, cache, block_keys, block_size=config.block_size, top_k=config.step_top_k(q.shape[2]), gate=config.gate,
-        scale=scale,
-    )  # fmt: skip
+    return moba_decode_cache(q, cache, block_keys, plan, scale)

@@ -36,9 +36,27 @@ def moba_inputs(shape, dtype=torch.float64, device="cpu", requires_grad=True) ->
     return [t.requires_grad_(requires_grad) for t in (q, k, v)]
 
 
+def call(fn, q, k, v, *, scale=None, **kw):
+    """The backend `fn(q, k, v, plan, scale)` under `moba_attention`'s keywords (block_size, top_k, the gate's)."""
+    from moba_hf.kernels import BlockPlan
+
+    return fn(q, k, v, BlockPlan.build(**kw), scale)
+
+
+def call_dca(q, k, v, *, block_size=None, top_k=3, dense_tail=0, pooling="mean", **kw):
+    """`dca_attention` with MoBA's keywords as `moba_attention` takes them (block_size None: dense DCA); the other
+    keywords (pretraining_length, chunk_size, inv_freq, scale, temperature, the gate's) go where they belong."""
+    from moba_hf.kernels import BlockPlan
+    from moba_hf.kernels.dual_chunk import dca_attention
+
+    gate = {name: kw.pop(name) for name in ("sink_blocks", "local_blocks", "top_p", "min_top_k") if name in kw}
+    plan = None if block_size is None else BlockPlan.build(block_size, top_k, pooling, dense_tail=dense_tail, **gate)
+    return dca_attention(q, k, v, plan=plan, **kw)
+
+
 def fwd_bwd(fn, q, k, v, grad, **kw):
-    """fn's output and its q/k/v gradients for the output gradient `grad`."""
-    out = fn(q, k, v, **kw)
+    """The backend fn's output (keywords as in `call`) and its q/k/v gradients for the output gradient `grad`."""
+    out = call(fn, q, k, v, **kw)
     return (out, *torch.autograd.grad(out, (q, k, v), grad))
 
 
@@ -72,11 +90,12 @@ def poisoned_inputs(shape, which: str, index: int, value: float = float("nan"), 
     return [t.requires_grad_() for t in (q, k, v)]
 
 
-def selection(q, k, *, block_size, top_k, **gate) -> torch.Tensor:
-    """The shared selection under a backend's keywords (block_size, top_k, pooling, sink_blocks, local_blocks)."""
-    from moba_hf.kernels import GateOptions, selected_blocks
+def selection(q, k, **kw) -> torch.Tensor:
+    """The shared selection under `moba_attention`'s keywords (block_size, top_k, pooling, sink_blocks, ...)."""
+    from moba_hf.kernels import BlockPlan, selected_blocks
 
-    return selected_blocks(q, k, block_size=block_size, top_k=top_k, gate=GateOptions(**gate))
+    plan = BlockPlan.build(**kw)
+    return selected_blocks(q, k, block_size=plan.block_size, top_k=plan.top_k, gate=plan.gate)
 
 
 def rows_that_see(q, k, which: str, index: int, **kw) -> torch.Tensor:
@@ -104,8 +123,8 @@ def assert_propagates_like_reference(fn, shape, which: str, value: float, device
     q, k, v = poisoned_inputs(shape, which, index, value, device=device)
     kw = {"block_size": shape[6], "top_k": shape[7], **gate}
     with torch.no_grad():
-        expected = moba_attention_reference(q, k, v, **kw)
-    out = fn(q, k, v, **kw)
+        expected = call(moba_attention_reference, q, k, v, **kw)
+    out = call(fn, q, k, v, **kw)
     assert torch.equal(out.isnan(), expected.isnan()), (~out.isfinite()).any(-1).nonzero().tolist()
     assert torch.equal(out.isinf(), expected.isinf())
     finite = expected.isfinite()

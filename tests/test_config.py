@@ -219,7 +219,7 @@ def test_torch_free_names_agree_with_the_kernels():
 
     assert selection.POOLINGS is options.POOLINGS
     assert tuple(kernels.BACKENDS)[: len(options.BUILTIN_BACKENDS)] == options.BUILTIN_BACKENDS
-    assert MobaConfig(pooling="mean+max").gate == selection.GateOptions("mean+max")
+    assert MobaConfig(pooling="mean+max").plan(2).gate == selection.GateOptions("mean+max")
     with pytest.raises(ValueError, match="backend must be one of 'auto', 'reference'"):
         MobaConfig(backend="cudnn")
 

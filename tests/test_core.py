@@ -1,4 +1,4 @@
-"""The one attention core: which path a sequence gets, and both hosts (transformers' attention function and the
+"""The one attention core: which route a sequence takes, and both hosts (transformers' attention function and the
 vLLM plugin's paged attention) reaching the same core functions with the same routes."""
 
 import pytest
@@ -30,8 +30,8 @@ DCA = core.Dca(DcaParams(pretraining_length=96, chunk_size=64), default_inv_freq
         (MobaConfig(decode="full"), 1, 65, False, DCA, "dca"),
     ],
 )
-def test_path(config, nq, nk, dense_layer, dca, route):
-    assert core.path(config, nq, nk, dense_layer=dense_layer, dca=dca) == route
+def test_route(config, nq, nk, dense_layer, dca, route):
+    assert core.route(core.runs_dense(config, nq, dense_layer), nk, dca) == route
 
 
 def spy(monkeypatch):
@@ -65,6 +65,16 @@ def test_transformers_reaches_the_core(monkeypatch):
         calls.clear()
         model(ids[:, -1:] * 0 + 5, past_key_values=out.past_key_values, use_cache=True)
     assert calls == [("decode", "moba"), ("attend", "sdpa")]
+
+
+def test_transformers_asks_runs_dense_once_per_call(monkeypatch):
+    """The attention function decides dense or sparse once per layer call; `core.route` takes that answer."""
+    model = tiny_model("llama", CONFIG, layers=2)
+    asked, runs_dense = [], core.runs_dense
+    monkeypatch.setattr(core, "runs_dense", lambda *args: asked.append(args) or runs_dense(*args))
+    with torch.no_grad():
+        model(torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(0)))
+    assert len(asked) == 2  # one call per layer
 
 
 def flash_paged(seq_lens, hkv=2, d=8, page=16, seed=0):

@@ -5,9 +5,9 @@ import math
 
 import pytest
 import torch
-from kernel_cases import rounding_tol, selection
+from kernel_cases import call, call_dca, rounding_tol, selection
 
-from moba_hf.dca import dca_attention, relative_positions, rotate
+from moba_hf.dca import relative_positions, rotate
 from moba_hf.kernels import moba_attention_reference
 from moba_hf.kernels.dual_chunk_positions import format_matrix
 
@@ -128,7 +128,7 @@ def test_dense_dca_matches_remapped_reference(case):
     scale = 0.7
     want = reference_dca(q_raw, k_raw, v, c, s, inv_freq, scale)
     q, k = dca_inputs(q_raw, k_raw, s, inv_freq)
-    got = dca_attention(q, k, v, pretraining_length=c, chunk_size=s, inv_freq=inv_freq, scale=scale)
+    got = call_dca(q, k, v, pretraining_length=c, chunk_size=s, inv_freq=inv_freq, scale=scale)
     torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
 
     grad = torch.randn_like(want)
@@ -153,7 +153,7 @@ def test_dense_dca_inference_path_matches_remapped_reference(case, fused, monkey
     want = reference_dca(q_raw, k_raw, v, c, s, inv_freq, 0.7)
     q, k = dca_inputs(q_raw, k_raw, s, inv_freq)
     with torch.no_grad():
-        got = dca_attention(q, k, v, pretraining_length=c, chunk_size=s, inv_freq=inv_freq, scale=0.7)
+        got = call_dca(q, k, v, pretraining_length=c, chunk_size=s, inv_freq=inv_freq, scale=0.7)
     torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
 
 
@@ -165,9 +165,9 @@ def test_small_tiles_give_the_same_result(monkeypatch):
     k = torch.randn(2, 2, 35, 8, dtype=torch.float64)
     v = torch.randn(2, 2, 35, 8, dtype=torch.float64)
     args = dict(pretraining_length=12, chunk_size=9, inv_freq=inv_freq)
-    whole = dca_attention(q, k, v, **args)
+    whole = call_dca(q, k, v, **args)
     monkeypatch.setattr(dca_module, "TILE_ELEMENTS", 2 * 4 * 35 * 4)  # 4-query tiles
-    torch.testing.assert_close(dca_attention(q, k, v, **args), whole, rtol=TOL, atol=TOL)
+    torch.testing.assert_close(call_dca(q, k, v, **args), whole, rtol=TOL, atol=TOL)
 
 
 def test_temperature_scales_logits():
@@ -179,7 +179,7 @@ def test_temperature_scales_logits():
     factor = 0.1 * math.log(30 / c) + 1
     want = reference_dca(q_raw, k_raw, v, c, s, inv_freq, 8**-0.5 * factor)
     q, k = dca_inputs(q_raw, k_raw, s, inv_freq)
-    got = dca_attention(q, k, v, pretraining_length=c, chunk_size=s, inv_freq=inv_freq, temperature=factor)
+    got = call_dca(q, k, v, pretraining_length=c, chunk_size=s, inv_freq=inv_freq, temperature=factor)
     torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
 
 
@@ -188,7 +188,7 @@ def test_one_chunk_equals_plain_causal_attention():
     q = torch.randn(2, 4, 20, 8, dtype=torch.float64)
     k = torch.randn(2, 2, 20, 8, dtype=torch.float64)
     v = torch.randn(2, 2, 20, 8, dtype=torch.float64)
-    got = dca_attention(q, k, v, pretraining_length=32, chunk_size=24, inv_freq=inv_freq)
+    got = call_dca(q, k, v, pretraining_length=32, chunk_size=24, inv_freq=inv_freq)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
 
@@ -260,7 +260,7 @@ def test_dca_moba_inference_path_matches_moba_on_remapped_scores(
     want = reference_dca(q_raw, k_raw, v, c, s, inv_freq, 0.3, selected[..., torch.arange(nk) // block])
     q, k = dca_inputs(q_raw, k_raw, s, inv_freq)
     with torch.no_grad():
-        got = dca_attention(
+        got = call_dca(
             q, k, v, pretraining_length=c, chunk_size=s, inv_freq=inv_freq, scale=0.3, block_size=block, top_k=top_k
         )
     torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
@@ -276,7 +276,7 @@ def test_torch_kernel_with_one_query_variant_is_plain_moba():
     gate = dict(block_size=5, top_k=3, sink_blocks=1, local_blocks=1)
     selected = selection(q, k, **gate)
     got = attention_with_query_variants([q], k, v, selected=selected, block_size=5, variant_chunk=10, scale=0.4)
-    want = moba_attention_reference(q, k, v, scale=0.4, **gate)
+    want = call(moba_attention_reference, q, k, v, scale=0.4, **gate)
     torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
 
 
@@ -307,14 +307,14 @@ def test_dca_moba_matches_moba_on_remapped_scores(case):
     allowed = selected[..., torch.arange(nk) // block]
     want = reference_dca(q_raw, k_raw, v, c, s, inv_freq, d**-0.5, allowed)
     q, k = dca_inputs(q_raw, k_raw, s, inv_freq)
-    got = dca_attention(q, k, v, pretraining_length=c, chunk_size=s, inv_freq=inv_freq, block_size=block, top_k=top_k)
+    got = call_dca(q, k, v, pretraining_length=c, chunk_size=s, inv_freq=inv_freq, block_size=block, top_k=top_k)
     torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
     grad = torch.randn_like(want)
     got_grads = torch.autograd.grad(got, (q_raw, k_raw, v), grad)
     for g, w in zip(got_grads, torch.autograd.grad(want, (q_raw, k_raw, v), grad), strict=True):
         torch.testing.assert_close(g, w, rtol=TOL, atol=TOL)
     if top_k >= -(-nk // block):
-        dense = dca_attention(q, k, v, pretraining_length=c, chunk_size=s, inv_freq=inv_freq)
+        dense = call_dca(q, k, v, pretraining_length=c, chunk_size=s, inv_freq=inv_freq)
         torch.testing.assert_close(got, dense, rtol=TOL, atol=TOL)
 
 
@@ -336,14 +336,14 @@ def test_dca_moba_in_one_chunk_equals_moba_reference(sink, local, pooling, top_p
         pooling=pooling,
         top_p=top_p,
     )
-    got = dca_attention(q, k, v, pretraining_length=40, chunk_size=32, inv_freq=inv_freq, **moba)
-    torch.testing.assert_close(got, moba_attention_reference(q, k, v, **moba), rtol=TOL, atol=TOL)
+    got = call_dca(q, k, v, pretraining_length=40, chunk_size=32, inv_freq=inv_freq, **moba)
+    torch.testing.assert_close(got, call(moba_attention_reference, q, k, v, **moba), rtol=TOL, atol=TOL)
 
 
 def test_chunk_size_must_be_multiple_of_block_size():
     q = torch.randn(1, 2, 10, 8)
     with pytest.raises(ValueError, match="multiple of block_size"):
-        dca_attention(q, q, q, pretraining_length=12, chunk_size=6, inv_freq=inv_freq_for(8), block_size=4)
+        call_dca(q, q, q, pretraining_length=12, chunk_size=6, inv_freq=inv_freq_for(8), block_size=4)
 
 
 def test_bfloat16_runs_in_float32_and_returns_bfloat16():
@@ -352,10 +352,10 @@ def test_bfloat16_runs_in_float32_and_returns_bfloat16():
     k = torch.randn(1, 2, 30, 8)
     v = torch.randn(1, 2, 30, 8)
     args = dict(pretraining_length=10, chunk_size=7, inv_freq=inv_freq)
-    got = dca_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), **args)
+    got = call_dca(q.bfloat16(), k.bfloat16(), v.bfloat16(), **args)
     assert got.dtype == torch.bfloat16
     # bf16 runs in float32 and rounds once on return: float32 on the bf16-rounded inputs, then one bf16 rounding
-    rounded = dca_attention(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), **args)
+    rounded = call_dca(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), **args)
     eps = torch.finfo(torch.bfloat16).eps
     torch.testing.assert_close(got.float(), rounded, rtol=eps, atol=rounding_tol(torch.float32, 30, 30, 8))
 
@@ -366,5 +366,5 @@ def test_empty_parts_with_very_negative_logits_stay_finite():
     k = torch.randn(1, 1, 1, 8).expand(1, 1, 24, 8).contiguous()
     q = -100 * k[:, :, -10:].repeat(1, 2, 1, 1)  # scores around -100 * |k|^2 * scale, far below -100
     v = torch.randn(1, 1, 24, 8)
-    got = dca_attention(q, k, v, pretraining_length=9, chunk_size=8, inv_freq=inv_freq, block_size=4, top_k=1)
+    got = call_dca(q, k, v, pretraining_length=9, chunk_size=8, inv_freq=inv_freq, block_size=4, top_k=1)
     assert torch.isfinite(got).all()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_cases import model_tol, rounding_tol
+from kernel_cases import call, model_tol, rounding_tol
 from tiny_models import ARCHS, TINY, tiny_model
 from transformers import (
     AttentionInterface,
@@ -24,7 +24,7 @@ from moba_hf import MobaConfig
 from moba_hf.integration import cache as moba_cache
 from moba_hf.integration import state as moba_state
 from moba_hf.integration.register import moba_mask
-from moba_hf.kernels import causal_attention, moba_attention, moba_attention_reference
+from moba_hf.kernels import attend_plan, causal_attention, moba_attention_reference
 from moba_hf.kernels.decode import block_keys_from_cache, moba_decode
 
 # --- the kernel ---------------------------------------------------------------------------------------------------
@@ -77,7 +77,7 @@ def test_decode_kernel_matches_reference_per_row(case, path, monkeypatch):
     assert taken == [f"_attend_{path}"]
     for r in range(b):
         s = int(starts[r])
-        want = moba_attention_reference(q[r : r + 1], keys[r : r + 1, :, s:], values[r : r + 1, :, s:], **gate)
+        want = call(moba_attention_reference, q[r : r + 1], keys[r : r + 1, :, s:], values[r : r + 1, :, s:], **gate)
         tol = rounding_tol(torch.float64, nq, nk, d)
         torch.testing.assert_close(out[r : r + 1], want, rtol=tol, atol=tol)
 
@@ -99,7 +99,7 @@ def test_rows_of_one_length_select_as_padded_rows_do_step_after_step(case):
         zeros = torch.zeros(b, dtype=torch.long)
         _, want_chosen = moba_decode(q, kc, vc, block_keys, starts=zeros, return_selection=True, **gate)
         assert torch.equal(chosen, want_chosen), n
-        want = moba_attention_reference(q, kc, vc, **gate)
+        want = call(moba_attention_reference, q, kc, vc, **gate)
         tol = rounding_tol(torch.float64, nq, n, d)
         torch.testing.assert_close(out, want, rtol=tol, atol=tol)
 
@@ -120,7 +120,7 @@ def test_decode_gradients_equal_the_reference(case, contiguous):
     grad = torch.randn(b, hq, nq, d, dtype=torch.float64)
     got = torch.autograd.grad(moba_decode(q, keys, values, block_keys_from_cache(keys.detach(), bs, pool), **gate),
                               (q, keys, values), grad)  # fmt: skip
-    want = torch.autograd.grad(moba_attention_reference(q, keys, values, **gate), (q, keys, values), grad)
+    want = torch.autograd.grad(call(moba_attention_reference, q, keys, values, **gate), (q, keys, values), grad)
     tol = rounding_tol(torch.float64, nq, nk, d)
     for name, g, w in zip("qkv", got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=tol, atol=tol, msg=lambda m, n=name: f"d{n}: {m}")
@@ -143,7 +143,7 @@ def test_decode_paths_carry_nan_and_inf_like_the_reference(which, value, path, m
         q, k, v = q0.clone(), k0.clone(), v0.clone()
         {"q": q, "k": k, "v": v}[which][1, 0, index, 2] = value
         got = moba_decode(q, k, v, block_keys_from_cache(k, bs), **gate)
-        want = moba_attention_reference(q, k, v, **gate)
+        want = call(moba_attention_reference, q, k, v, **gate)
         assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf()), (which, index)
         finite = want.isfinite()
         tol = rounding_tol(torch.float64, nq, nk, d)
@@ -163,7 +163,7 @@ def test_float32_takes_the_in_place_path_and_bfloat16_the_windows(monkeypatch):
     for dtype in (torch.float32, torch.bfloat16):
         qd, kd, vd = (t.to(dtype) for t in (q, keys, values))
         out = moba_decode(qd, kd, vd, block_keys_from_cache(kd, 8), block_size=8, top_k=3)
-        want = moba_attention_reference(qd, kd, vd, block_size=8, top_k=3)
+        want = call(moba_attention_reference, qd, kd, vd, block_size=8, top_k=3)
         assert out.dtype == dtype
         tol = rounding_tol(torch.float32, 1, 70, 16) if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
         torch.testing.assert_close(out, want, rtol=tol, atol=tol)
@@ -219,7 +219,7 @@ def test_decode_kernel_float32_and_bad_args():
     q = torch.randn(1, 4, 1, 16)
     keys, values = torch.randn(1, 2, 70, 16), torch.randn(1, 2, 70, 16)
     out = moba_decode(q, keys, values, block_keys_from_cache(keys, 8), block_size=8, top_k=3)
-    want = moba_attention_reference(q, keys, values, block_size=8, top_k=3)
+    want = call(moba_attention_reference, q, keys, values, block_size=8, top_k=3)
     assert out.dtype == torch.float32
     tol = rounding_tol(torch.float32, 1, 70, 16)
     torch.testing.assert_close(out, want, rtol=tol, atol=tol)
@@ -356,7 +356,7 @@ def _decode_budget_oracle(module, query, key, value, attention_mask, scaling=Non
     call over all of them gives every decode step's rows), the prompt's with top_k."""
     out, _ = moba_hf.integration.moba_attention_forward(module, query, key, value, attention_mask, scaling, **kwargs)
     moba = moba_hf.integration.attention.resolved_config(module).moba
-    steps = moba_attention(query, key, value, scale=scaling, **moba.kernel_kwargs(1)).transpose(1, 2)
+    steps = attend_plan(query, key, value, moba.plan(1), scaling).transpose(1, 2)
     first = _oracle_dense[0]
     return torch.cat([out[:, :first], steps[:, first:]], dim=1), None
 
@@ -536,8 +536,13 @@ def test_decode_kernel_on_cuda_matches_reference():
     )
     for r in range(2):
         s = int(starts[r])
-        want = moba_attention_reference(
-            q[r : r + 1], keys[r : r + 1, :, s:], values[r : r + 1, :, s:], block_size=256, top_k=3
+        want = call(
+            moba_attention_reference,
+            q[r : r + 1],
+            keys[r : r + 1, :, s:],
+            values[r : r + 1, :, s:],
+            block_size=256,
+            top_k=3,
         )
         tol = rounding_tol(torch.float32, 1, 3000, 64)
         torch.testing.assert_close(out[r : r + 1], want, rtol=tol, atol=tol)

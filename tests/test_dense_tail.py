@@ -6,14 +6,13 @@ from __future__ import annotations
 import pytest
 import tiny_models
 import torch
-from kernel_cases import CASES, case_tol, moba_inputs, model_tol, rounding_tol, selection
+from kernel_cases import CASES, call, call_dca, case_tol, moba_inputs, model_tol, rounding_tol, selection
 from kernel_cases import shape_id as _id
 
 import moba_hf
 from moba_hf import DcaConfig, MobaConfig
 from moba_hf.integration import sparsity
-from moba_hf.kernels import moba_attention, moba_attention_reference
-from moba_hf.kernels.dual_chunk import dca_attention
+from moba_hf.kernels import BlockPlan, moba_attention, moba_attention_reference
 from moba_hf.kernels.rope import default_inv_freq
 
 SHAPES = [CASES[name] for name in ("odd", "chunk", "own-block", "causal", "decode")]
@@ -24,8 +23,8 @@ def expected(q, k, v, tail, **kw):
     """The reference's MoBA rows, and its plain causal attention for the last `tail` rows (one block holding every
     key, attended causally: no gate, so a key scoring -inf cannot drop a block)."""
     t = min(tail, q.shape[2])
-    sparse = moba_attention_reference(q, k, v, **kw)
-    dense = moba_attention_reference(q, k, v, **{**kw, "block_size": k.shape[2], "top_k": 1})
+    sparse = call(moba_attention_reference, q, k, v, **kw)
+    dense = call(moba_attention_reference, q, k, v, **{**kw, "block_size": k.shape[2], "top_k": 1})
     return torch.cat([sparse[:, :, : q.shape[2] - t], dense[:, :, q.shape[2] - t :]], dim=2)
 
 
@@ -112,9 +111,9 @@ def test_dca_tail_rows_run_dense_dca(nq, nk, tail):
     v = torch.randn(1, 2, nk, 8, dtype=torch.float64, generator=gen, requires_grad=True)
     dca = dict(pretraining_length=16, chunk_size=12, inv_freq=default_inv_freq(8, 1e4), temperature=1.2)
     moba = dict(block_size=4, top_k=2, **GATE)
-    got = dca_attention(q, k, v, dense_tail=tail, **dca, **moba)
+    got = call_dca(q, k, v, dense_tail=tail, **dca, **moba)
     # over all keys: the sparse rows see no later key, the dense tail every earlier one
-    sparse, dense = dca_attention(q, k, v, **dca, **moba), dca_attention(q, k, v, **dca)
+    sparse, dense = call_dca(q, k, v, **dca, **moba), call_dca(q, k, v, **dca)
     want = torch.cat([sparse[:, :, : nq - tail], dense[:, :, nq - tail :]], dim=2)
     tol = rounding_tol(torch.float64, nq, 2 * nk, 8)
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
@@ -133,17 +132,19 @@ def test_rule_pairs_count_the_tail_as_causal(nq, nk, tail):
     t = min(tail, nq)
     selected[:, :, nq - t :] = True  # dense rows: every block (causally)
     want = sparsity.attended_pairs(selected, nk, 8)
-    assert sparsity.rule_pairs(2, nq, nk, block_size=8, top_k=2, sink_blocks=1, local_blocks=1, dense_tail=t) == want
+    assert 2 * BlockPlan.build(8, 2, sink_blocks=1, local_blocks=1, dense_tail=t).attended_pairs(nq, nk) == want
 
 
 def test_config_tail_per_call_and_theoretical_sparsity():
     cfg = MobaConfig(block_size=8, top_k=2, dense_tail=6)
     assert [cfg.tail_queries(n) for n in (1, 2, 6, 100)] == [0, 2, 6, 6]  # a decode step keeps `decode`
-    assert cfg.prefill_kwargs(1)["dense_tail"] == 0 and cfg.prefill_kwargs(50)["dense_tail"] == 6
-    assert "dense_tail" not in cfg.kernel_kwargs()  # the decode kernels' keywords
+    assert cfg.plan(1).dense_tail == 0 and cfg.plan(50).dense_tail == 6  # the decode step's plan has no tail
     for n in (5, 40, 61):
         causal = n * (n + 1) // 2
-        attended = sparsity.rule_pairs(1, n, n, block_size=8, top_k=2, dense_tail=min(6, n))
+        q, k = torch.randn(1, 1, n, 8), torch.randn(1, 1, n, 8)
+        selected = selection(q, k, block_size=8, top_k=2).clone()
+        selected[:, :, n - min(6, n) :] = True  # the dense tail
+        attended = sparsity.attended_pairs(selected, n, 8)
         assert cfg.theoretical_sparsity(n) == pytest.approx(1 - attended / causal)
     assert MobaConfig(block_size=8, top_k=2, dense_tail=40).theoretical_sparsity(40) == 0.0
     assert MobaConfig.from_dict({"moba": {"dense_tail": 64}}).dense_tail == 64

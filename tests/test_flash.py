@@ -19,7 +19,7 @@ from pathlib import Path
 import kernel_cases
 import pytest
 import torch
-from kernel_cases import assert_propagates_like_reference, flash_atol, rounding_tol
+from kernel_cases import assert_propagates_like_reference, call, flash_atol, rounding_tol
 from kernel_cases import fwd_bwd as _fwd_bwd
 from kernel_cases import gate_id as _gate_id
 from kernel_cases import moba_inputs as _inputs
@@ -133,8 +133,8 @@ def test_gradient_for_one_input_only(flash):
     v.requires_grad_(False)
     kw = {"block_size": 16, "top_k": 3}
     grad = torch.randn(q.shape, dtype=q.dtype)
-    (expected,) = torch.autograd.grad(moba_attention_reference(q, k, v, **kw), k, grad)
-    (actual,) = torch.autograd.grad(flash.moba_attention_flash(q, k, v, **kw), k, grad)
+    (expected,) = torch.autograd.grad(call(moba_attention_reference, q, k, v, **kw), k, grad)
+    (actual,) = torch.autograd.grad(call(flash.moba_attention_flash, q, k, v, **kw), k, grad)
     tol = rounding_tol(torch.float64, 63, 63, 16)
     torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
 
@@ -162,11 +162,11 @@ def test_flash_calls_per_case(flash, monkeypatch):
     monkeypatch.setattr(flash, "flash_attn_varlen_func", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v = _inputs(SHAPES[0])
     with torch.no_grad():
-        flash.moba_attention_flash(q, k, v, block_size=16, top_k=3)
+        call(flash.moba_attention_flash, q, k, v, block_size=16, top_k=3)
     assert len(calls) == 2
-    flash.moba_attention_flash(q, k, v, block_size=16, top_k=3)
+    call(flash.moba_attention_flash, q, k, v, block_size=16, top_k=3)
     assert len(calls) == 2 + 4
-    flash.moba_attention_flash(q, k, v, block_size=16, top_k=1)
+    call(flash.moba_attention_flash, q, k, v, block_size=16, top_k=1)
     assert len(calls) == 2 + 4 + 1
 
 
@@ -194,9 +194,9 @@ def _check_low_precision(fn, device):
             )
 
 
-def _naive_attention(q, k, v, *, block_size, top_k):
-    nq, nk = q.shape[2], k.shape[2]
-    sel = selected_blocks(q, k, block_size=block_size, top_k=top_k)
+def _naive_attention(q, k, v, plan, scale=None):
+    nq, nk, block_size = q.shape[2], k.shape[2], plan.block_size
+    sel = selected_blocks(q, k, block_size=block_size, top_k=plan.top_k)
     key_pos = torch.arange(nk, device=q.device)
     q_pos = torch.arange(nk - nq, nk, device=q.device)
     allowed = sel[..., key_pos // block_size] & (key_pos[None, :] <= q_pos[:, None])
@@ -217,15 +217,15 @@ def test_refuses_what_flash_attn_cannot_take(fake_flash):
     for t in (q, q.double(), q.bfloat16(), q.half()):
         assert not flash.auto_may_pick(t) and not flash.runs_on(t)
     with pytest.raises(ValueError, match="CUDA float16/bfloat16"):
-        fn(q, q, q, block_size=4, top_k=2)
+        call(fn, q, q, q, block_size=4, top_k=2)
 
 
 def test_bad_arguments_raise_value_error(flash):
     q, kv = torch.zeros(1, 2, 8, 8), torch.zeros(1, 3, 8, 8)
     with pytest.raises(ValueError, match="top_k"):
-        flash.moba_attention_flash(q, q, q, block_size=4, top_k=0)
+        call(flash.moba_attention_flash, q, q, q, block_size=4, top_k=0)
     with pytest.raises(ValueError, match="multiple"):
-        flash.moba_attention_flash(q, kv, kv, block_size=4, top_k=2)
+        call(flash.moba_attention_flash, q, kv, kv, block_size=4, top_k=2)
 
 
 def test_registry_on_cpu_with_flash_attn_importable(fake_flash, caplog):
@@ -236,7 +236,7 @@ def test_registry_on_cpu_with_flash_attn_importable(fake_flash, caplog):
     with caplog.at_level("WARNING", logger="moba_hf"):
         out = moba_attention(q, k, v, block_size=16, top_k=3, backend="flash")
         moba_attention(q, k, v, block_size=16, top_k=3, backend="flash")
-    torch.testing.assert_close(out, moba_attention_torch(q, k, v, block_size=16, top_k=3), atol=0, rtol=0)
+    torch.testing.assert_close(out, call(moba_attention_torch, q, k, v, block_size=16, top_k=3), atol=0, rtol=0)
     assert len([r for r in caplog.records if "'flash'" in r.getMessage()]) == 1
 
 
@@ -246,7 +246,7 @@ def test_missing_flash_attn_falls_back_with_one_log_line(isolated, caplog):
     with caplog.at_level("WARNING", logger="moba_hf"):
         out = moba_attention(q, k, v, block_size=16, top_k=3, backend="flash")
         moba_attention(q, k, v, block_size=16, top_k=3, backend="flash")
-    torch.testing.assert_close(out, moba_attention_torch(q, k, v, block_size=16, top_k=3), atol=0, rtol=0)
+    torch.testing.assert_close(out, call(moba_attention_torch, q, k, v, block_size=16, top_k=3), atol=0, rtol=0)
     assert not kernels.backend_available("flash") and resolve_backend("flash", q) == "torch"
     lines = [r.getMessage() for r in caplog.records if "'flash'" in r.getMessage()]
     assert len(lines) == 1 and "moba-hf[flash]" in lines[0], lines

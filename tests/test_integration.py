@@ -229,13 +229,11 @@ RULE_CASES = [
 @pytest.mark.parametrize("case", RULE_CASES, ids=lambda c: "B{}-HQ{}-H{}-Q{}-K{}-blk{}-k{}-s{}-l{}".format(*c))
 def test_rule_pair_count_equals_count_of_the_real_selection(case):
     from moba_hf.integration import sparsity
-    from moba_hf.kernels import GateOptions, selected_blocks
+    from moba_hf.kernels import BlockPlan, selected_blocks
 
     b, hq, hkv, nq, nk, block, top_k, sink, local = case
     q, k = torch.randn(b, hq, nq, 8), torch.randn(b, hkv, nk, 8)
-    gate = dict(block_size=block, top_k=top_k, sink_blocks=sink, local_blocks=local)
-    selected = selected_blocks(
-        q, k, block_size=block, top_k=top_k, gate=GateOptions(sink_blocks=sink, local_blocks=local)
-    )
+    plan = BlockPlan.build(block, top_k, sink_blocks=sink, local_blocks=local)
+    selected = selected_blocks(q, k, block_size=block, top_k=top_k, gate=plan.gate)
     want = sparsity.attended_pairs(selected, nk, block)
-    assert sparsity.rule_pairs(b * hq, nq, nk, **gate) == want
+    assert b * hq * plan.attended_pairs(nq, nk) == want

@@ -8,12 +8,23 @@ import re
 
 import pytest
 import torch
-from kernel_cases import CASES, case_tol, fwd_bwd, moba_inputs, poisoned_inputs, rounding_tol, rows_that_see
+from kernel_cases import (
+    CASES,
+    call,
+    call_dca,
+    case_tol,
+    fwd_bwd,
+    moba_inputs,
+    poisoned_inputs,
+    rounding_tol,
+    rows_that_see,
+)
 from kernel_cases import shape_id as _id
 
-from moba_hf.dca import dca_attention, relative_positions
+from moba_hf.dca import relative_positions
 from moba_hf.integration.cache import BlockState
 from moba_hf.kernels import (
+    attend_plan,
     causal_attention,
     dense,
     moba_attention,
@@ -58,7 +69,7 @@ def test_reference_nan_reaches_exactly_the_rows_that_see_it(shape, which):
     idx = _index(shape, which)
     q, k, v = poisoned_inputs(shape, which, idx)
     kw = {"block_size": shape[6], "top_k": shape[7]}
-    bad = ~moba_attention_reference(q, k, v, **kw).isfinite().all(dim=-1)
+    bad = ~call(moba_attention_reference, q, k, v, **kw).isfinite().all(dim=-1)
     assert torch.equal(bad, rows_that_see(q, k, which, idx, **kw))
 
 
@@ -74,8 +85,8 @@ def test_torch_backend_propagates_like_reference(shape, which, value, layout, mo
     q, k, v = poisoned_inputs(shape, which, _index(shape, which), value)
     kw = {"block_size": shape[6], "top_k": shape[7]}
     with torch.no_grad():
-        expected = moba_attention_reference(q, k, v, **kw)
-        _same_nonfinite(moba_attention_torch(q, k, v, **kw), expected, case_tol(shape, torch.float64))
+        expected = call(moba_attention_reference, q, k, v, **kw)
+        _same_nonfinite(call(moba_attention_torch, q, k, v, **kw), expected, case_tol(shape, torch.float64))
 
 
 @pytest.mark.parametrize("which", ["q", "k", "v"])
@@ -84,7 +95,7 @@ def test_torch_backend_finite_rows_keep_finite_gradients(shape, which):
     idx = _index(shape, which)
     q, k, v = poisoned_inputs(shape, which, idx)
     kw = {"block_size": shape[6], "top_k": shape[7]}
-    out = moba_attention_torch(q, k, v, **kw)
+    out = call(moba_attention_torch, q, k, v, **kw)
     seen = rows_that_see(q, k, which, idx, **kw)
     assert torch.equal(~out.isfinite().all(dim=-1), seen)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
@@ -109,7 +120,7 @@ def test_decode_propagates_like_reference():
     for which in ("q", "k", "v"):
         q, k, v = (t.detach() for t in poisoned_inputs(shape, which, 1 if which == "q" else 37))
         kw = {"block_size": 8, "top_k": 3}
-        expected = moba_attention_reference(q, k, v, **kw)
+        expected = call(moba_attention_reference, q, k, v, **kw)
         _same_nonfinite(moba_decode(q, k, v, block_keys_from_cache(k, 8), **kw), expected, case_tol(shape, q.dtype))
 
 
@@ -120,12 +131,12 @@ def test_dca_propagates_nan_only_to_rows_that_see_it(which, block_size):
     q, k, v = moba_inputs((1, 2, 1, 30, 30, 8, 4, 2), requires_grad=False)
     idx = 20
     kw = dict(pretraining_length=16, chunk_size=8, inv_freq=default_inv_freq(8, 10000.0), block_size=block_size)
-    clean = dca_attention(q, k, v, **kw)
+    clean = call_dca(q, k, v, **kw)
     {"q": q, "k": k, "v": v}[which][0, 0, idx, 0] = NAN
     for grad in (False, True):  # the CPU inference paths, then the differentiable tiles
         with torch.set_grad_enabled(grad):
             args = [t.clone().requires_grad_(grad) for t in (q, k, v)]
-            out = dca_attention(*args, **kw).detach()
+            out = call_dca(*args, **kw).detach()
         bad = ~out.isfinite().all(dim=-1)
         if which == "q":
             assert bad[0, 0, idx] and bad.sum() == 1
@@ -167,13 +178,13 @@ def test_bad_scale_is_refused(scale):
     with pytest.raises(ValueError, match=message):
         moba_decode(q[:, :, -1:], k, v, block_keys_from_cache(k, 4), block_size=4, top_k=2, scale=scale)
     with pytest.raises(ValueError, match=message):
-        dca_attention(q, k, v, pretraining_length=8, chunk_size=4, inv_freq=default_inv_freq(4, 1e4), scale=scale)
+        call_dca(q, k, v, pretraining_length=8, chunk_size=4, inv_freq=default_inv_freq(4, 1e4), scale=scale)
 
 
 def test_good_scales_are_accepted():
     q, k, v = moba_inputs((1, 2, 2, 8, 8, 4, 4, 2), requires_grad=False)
     for scale in (1, 0.5, 1e-30):
-        expected = moba_attention_reference(q, k, v, block_size=4, top_k=2, scale=scale)
+        expected = call(moba_attention_reference, q, k, v, block_size=4, top_k=2, scale=scale)
         torch.testing.assert_close(moba_attention(q, k, v, block_size=4, top_k=2, scale=scale), expected)
 
 
@@ -196,7 +207,7 @@ def test_tiny_scale_averages_the_attended_values(nq, nk, scale, dtype, backend):
     tol = rounding_tol(dtype, nk, nk, 8)
     for top_k in (2, 100):
         out = moba_attention(q, k, v, block_size=4, top_k=top_k, scale=scale, backend=backend)
-        expected = moba_attention_reference(q, k, v, block_size=4, top_k=top_k, scale=scale)
+        expected = call(moba_attention_reference, q, k, v, block_size=4, top_k=top_k, scale=scale)
         assert expected.isfinite().all()
         torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
     dense = {
@@ -219,7 +230,7 @@ def test_tiny_scale_averages_the_attended_values(nq, nk, scale, dtype, backend):
 
 
 def _backend(name):
-    return lambda *a, **kw: moba_attention(*a, backend=name, **kw)
+    return lambda q, k, v, plan, scale: attend_plan(q, k, v, plan, scale, backend=name)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -242,7 +253,7 @@ def test_huge_scale_in_float64_follows_the_reference(backend):
     """float64 scores hold scale 1e300: the reference's finite result (the row's best key), on every backend."""
     q, k, v = (t.double() for t in _qkv(nq=24, nk=24))
     for top_k in (2, 100):
-        expected = moba_attention_reference(q, k, v, block_size=4, top_k=top_k, scale=1e300)
+        expected = call(moba_attention_reference, q, k, v, block_size=4, top_k=top_k, scale=1e300)
         assert expected.isfinite().all()
         out = moba_attention(q, k, v, block_size=4, top_k=top_k, scale=1e300, backend=backend)
         torch.testing.assert_close(out, expected, atol=rounding_tol(torch.float64, 24, 24, 4), rtol=0)
@@ -317,8 +328,8 @@ def test_flex_compiled_propagates_like_reference():
     for which in ("q", "k", "v"):
         q, k, v = (t.detach().float() for t in poisoned_inputs(shape, which, _index(shape, which)))
         with torch.no_grad():
-            out = moba_attention_flex(q, k, v, block_size=16, top_k=3)
-            expected = moba_attention_reference(q, k, v, block_size=16, top_k=3)
+            out = call(moba_attention_flex, q, k, v, block_size=16, top_k=3)
+            expected = call(moba_attention_reference, q, k, v, block_size=16, top_k=3)
         assert torch.equal(out.isnan(), expected.isnan())
         finite = expected.isfinite()
         # float32 flash-style kernel vs float32 reference: a few eps per accumulated term (63 keys)
@@ -343,7 +354,7 @@ def test_meta_tensors_are_refused():
 def test_dca_bad_temperature_is_refused(temperature):
     q, k, v = moba_inputs((1, 2, 2, 8, 8, 4, 4, 2), requires_grad=False)
     with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
-        dca_attention(
+        call_dca(
             q, k, v, pretraining_length=8, chunk_size=4, inv_freq=default_inv_freq(4, 1e4), temperature=temperature
         )
 
@@ -386,7 +397,7 @@ HOSTILE = {
         "the sequences need 2",
     ),
     "dca inv_freq": (
-        lambda: dca_attention(*_qkv(), pretraining_length=8, chunk_size=4, inv_freq=torch.ones(3)),
+        lambda: call_dca(*_qkv(), pretraining_length=8, chunk_size=4, inv_freq=torch.ones(3)),
         "inv_freq must have shape",
     ),
 }

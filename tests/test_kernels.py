@@ -8,7 +8,7 @@ import inspect
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_cases import SHAPES, case_tol, flash_atol, rounding_tol, selection
+from kernel_cases import SHAPES, call, case_tol, flash_atol, rounding_tol, selection
 from kernel_cases import fwd_bwd as _fwd_bwd
 from kernel_cases import gate_id as _gate_id
 from kernel_cases import moba_inputs as _inputs
@@ -173,18 +173,19 @@ def test_torch_bfloat16_within_twice_torch_error():
     shape = (1, 4, 2, 200, 200, 32, 32, 3)
     q, k, v = _inputs(shape, torch.float32, requires_grad=False)
     kw = {"block_size": 32, "top_k": 3}
-    exact = moba_attention_reference(q, k, v, **kw)
+    exact = call(moba_attention_reference, q, k, v, **kw)
     qb, kb, vb = (t.bfloat16() for t in (q, k, v))
     # same-dtype PyTorch computation: the reference's attention on bf16 inputs, rounded to bf16
-    baseline = (moba_attention_reference(qb.float(), kb.float(), vb.float(), **kw).bfloat16().float() - exact).abs()
-    fast = moba_attention_torch(qb, kb, vb, **kw)
+    rounded = call(moba_attention_reference, qb.float(), kb.float(), vb.float(), **kw)
+    baseline = (rounded.bfloat16().float() - exact).abs()
+    fast = call(moba_attention_torch, qb, kb, vb, **kw)
     assert fast.dtype == torch.bfloat16
     assert (fast.float() - exact).abs().max() <= 2 * baseline.max() + flash_atol(exact)
 
 
 def test_all_blocks_equals_causal_sdpa():
     q, k, v = _inputs((2, 6, 2, 90, 90, 16, 8, 64), requires_grad=False)
-    out = moba_attention_torch(q, k, v, block_size=8, top_k=64)
+    out = call(moba_attention_torch, q, k, v, block_size=8, top_k=64)
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     tol = rounding_tol(torch.float64, 90, 90, 16)
     torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
@@ -192,7 +193,7 @@ def test_all_blocks_equals_causal_sdpa():
 
 def test_own_block_only_is_block_diagonal():
     q, k, v = _inputs((1, 2, 2, 48, 48, 8, 16, 1), requires_grad=False)
-    out = moba_attention_torch(q, k, v, block_size=16, top_k=1)
+    out = call(moba_attention_torch, q, k, v, block_size=16, top_k=1)
     for c in range(3):
         sl = slice(16 * c, 16 * (c + 1))
         expected = F.scaled_dot_product_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl], is_causal=True)
@@ -213,7 +214,7 @@ def test_missing_backend_falls_back_with_one_log_line(name, caplog, monkeypatch)
     with caplog.at_level("WARNING", logger="moba_hf"):
         out = moba_attention(q, k, v, block_size=16, top_k=3, backend=name)
         moba_attention(q, k, v, block_size=16, top_k=3, backend=name)
-    torch.testing.assert_close(out, moba_attention_reference(q, k, v, block_size=16, top_k=3))
+    torch.testing.assert_close(out, call(moba_attention_reference, q, k, v, block_size=16, top_k=3))
     assert resolve_backend(name, q) == "torch"
     assert len([r for r in caplog.records if name in r.getMessage()]) == 1
 
@@ -256,20 +257,20 @@ def test_flex_cpu_gradients_use_torch_backend(caplog, monkeypatch):
     from moba_hf.kernels.flex import moba_attention_flex
 
     with caplog.at_level("WARNING", logger="moba_hf"):
-        flex = lambda *a, **kw: moba_attention(*a, backend="flex", **kw)  # noqa: E731
+        flex = lambda q, k, v, plan, scale: kernels.attend_plan(q, k, v, plan, scale, backend="flex")  # noqa: E731
         _assert_matches_reference(flex, SHAPES[0], {}, dtype=torch.float32)
     assert any("'flex'" in r.getMessage() and "backward" in r.getMessage() for r in caplog.records)
     q = torch.zeros(1, 1, 4, 8, requires_grad=True)
     with pytest.raises(ValueError, match="no CPU backward"):
-        moba_attention_flex(q, q, q, block_size=4, top_k=1)
+        call(moba_attention_flex, q, q, q, block_size=4, top_k=1)
 
 
 _REGISTERED_CALLS: list[int] = []
 
 
-def registered_backend(q, k, v, **kw):
-    _REGISTERED_CALLS.append(kw["block_size"])
-    return moba_attention_reference(q, k, v, **kw)
+def registered_backend(q, k, v, plan, scale=None):
+    _REGISTERED_CALLS.append(plan.block_size)
+    return moba_attention_reference(q, k, v, plan, scale)
 
 
 def test_registered_backend_runs_end_to_end(monkeypatch):
@@ -284,7 +285,7 @@ def test_registered_backend_runs_end_to_end(monkeypatch):
     assert "mine" in kernels.BACKENDS and MobaConfig(backend="mine").backend == "mine"
     q, k, v = _inputs(SHAPES[0], torch.float64, requires_grad=False)
     out = moba_attention(q, k, v, block_size=16, top_k=3, backend="mine")
-    torch.testing.assert_close(out, moba_attention_reference(q, k, v, block_size=16, top_k=3), atol=0, rtol=0)
+    torch.testing.assert_close(out, call(moba_attention_reference, q, k, v, block_size=16, top_k=3), atol=0, rtol=0)
     assert resolve_backend("auto", q) == "mine" and _REGISTERED_CALLS == [16]
     with pytest.raises(ValueError, match="auto"):
         kernels.register_backend(kernels.Backend("auto", "x:y"))
@@ -296,15 +297,15 @@ def test_flex_forward_matches_reference_cpu_compiled():
     from moba_hf.kernels.flex import moba_attention_flex
 
     q, k, v = _inputs((2, 4, 2, 63, 63, 16, 16, 3), torch.float32, requires_grad=False)
-    out = moba_attention_flex(q, k, v, block_size=16, top_k=3)
+    out = call(moba_attention_flex, q, k, v, block_size=16, top_k=3)
     tol = rounding_tol(torch.float32, 63, 63, 16)
-    torch.testing.assert_close(out, moba_attention_reference(q, k, v, block_size=16, top_k=3), atol=tol, rtol=tol)
+    torch.testing.assert_close(out, call(moba_attention_reference, q, k, v, block_size=16, top_k=3), atol=tol, rtol=tol)
 
 
 def test_moba_attention_dispatch_and_auto_on_cpu():
     q, k, v = _inputs((1, 2, 1, 40, 40, 8, 16, 3), requires_grad=False)
     assert resolve_backend("auto", q) == "torch"
-    expected = moba_attention_reference(q, k, v, block_size=16, top_k=3)
+    expected = call(moba_attention_reference, q, k, v, block_size=16, top_k=3)
     torch.testing.assert_close(moba_attention(q, k, v, block_size=16, top_k=3, backend="torch"), expected)
     torch.testing.assert_close(moba_attention(q, k, v, block_size=16, top_k=3), expected)
 
@@ -322,13 +323,13 @@ def test_moba_attention_dispatch_and_auto_on_cpu():
 def test_torch_bad_arguments(kwargs, match):
     q, k, v = _inputs((1, 2, 1, 8, 8, 4, 4, 2), requires_grad=False)
     with pytest.raises(ValueError, match=match):
-        moba_attention_torch(q, k, v, **kwargs)
+        call(moba_attention_torch, q, k, v, **kwargs)
 
 
 def test_torch_bad_shapes():
     q = torch.randn(1, 3, 8, 4)
     k = torch.randn(1, 2, 8, 4)
     with pytest.raises(ValueError, match="multiple"):
-        moba_attention_torch(q, k, k, block_size=4, top_k=2)
+        call(moba_attention_torch, q, k, k, block_size=4, top_k=2)
     with pytest.raises(ValueError, match="Nq"):
-        moba_attention_torch(torch.randn(1, 2, 9, 4), k, k, block_size=4, top_k=2)
+        call(moba_attention_torch, torch.randn(1, 2, 9, 4), k, k, block_size=4, top_k=2)

@@ -12,6 +12,7 @@ import logging
 
 import pytest
 import torch
+from kernel_cases import call
 from test_dca_models import oracle_logits
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
@@ -76,7 +77,7 @@ def test_the_verified_list_is_what_the_tests_run():
 def reference_moba(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The readable kernel on exactly the q, k, v and scale the family hands over (no padding here)."""
     gate = dict(block_size=SPARSE.block_size, top_k=SPARSE.top_k)
-    return moba_attention_reference(query, key, value, scale=scaling, **gate).transpose(1, 2), None
+    return call(moba_attention_reference, query, key, value, scale=scaling, **gate).transpose(1, 2), None
 
 
 def test_full_coverage_equals_sdpa_and_sparse_equals_the_reference(family):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_cases import rounding_tol
+from kernel_cases import call, rounding_tol
 
 from moba_hf.kernels import causal_attention, gate_scores, moba_attention, moba_attention_reference
 
@@ -81,7 +81,7 @@ def test_reference_matches_brute_force(case):
     q = torch.randn(b, hq, nq, d, dtype=torch.float64)
     k = torch.randn(b, hkv, nk, d, dtype=torch.float64)
     v = torch.randn(b, hkv, nk, d, dtype=torch.float64)
-    got = moba_attention_reference(q, k, v, block_size=bs, top_k=top_k)
+    got = call(moba_attention_reference, q, k, v, block_size=bs, top_k=top_k)
     tol = rounding_tol(torch.float64, nq, nk, d)
     torch.testing.assert_close(got, brute_force_moba(q, k, v, bs, top_k), rtol=tol, atol=tol)
 
@@ -103,7 +103,7 @@ def test_gate_options_match_brute_force(pooling, sink, local):
     k = torch.randn(2, 2, 37, 6, dtype=torch.float64)
     v = torch.randn(2, 2, 37, 6, dtype=torch.float64)
     opts = dict(pooling=pooling, sink_blocks=sink, local_blocks=local)
-    got = moba_attention_reference(q, k, v, block_size=4, top_k=3, **opts)
+    got = call(moba_attention_reference, q, k, v, block_size=4, top_k=3, **opts)
     tol = rounding_tol(torch.float64, 37, 37, 6)
     torch.testing.assert_close(got, brute_force_moba(q, k, v, 4, 3, **opts), rtol=tol, atol=tol)
 
@@ -127,14 +127,14 @@ def test_adaptive_budget_matches_brute_force(case, top_p, min_top_k, gate, peak)
     k = torch.randn(b, hkv, nk, d, dtype=torch.float64)
     v = torch.randn(b, hkv, nk, d, dtype=torch.float64)
     opts = dict(top_p=top_p, min_top_k=min_top_k, **gate)
-    got = moba_attention_reference(q, k, v, block_size=bs, top_k=top_k, **opts)
+    got = call(moba_attention_reference, q, k, v, block_size=bs, top_k=top_k, **opts)
     tol = rounding_tol(torch.float64, nq, nk, d) * peak
     torch.testing.assert_close(got, brute_force_moba(q, k, v, bs, top_k, **opts), rtol=tol, atol=tol)
 
 
 def test_custom_scale_and_float32_dtype():
     q, k, v = (torch.randn(1, 2, 20, 8) for _ in range(3))
-    got = moba_attention_reference(q, k, v, block_size=4, top_k=2, scale=0.3)
+    got = call(moba_attention_reference, q, k, v, block_size=4, top_k=2, scale=0.3)
     assert got.dtype == torch.float32
     want = brute_force_moba(q, k, v, 4, 2, scale=0.3).float()
     tol = rounding_tol(torch.float32, 20, 20, 8)  # float32 reference vs the float64 brute force, rounded
@@ -157,7 +157,7 @@ def test_all_blocks_selected_equals_causal_sdpa(nq, nk, bs):
 
 def test_top_k_one_is_block_diagonal_causal():
     q, k, v = (torch.randn(1, 2, 24, 8, dtype=torch.float64) for _ in range(3))
-    got = moba_attention_reference(q, k, v, block_size=8, top_k=1)
+    got = call(moba_attention_reference, q, k, v, block_size=8, top_k=1)
     for j in range(3):
         s = slice(8 * j, 8 * (j + 1))
         torch.testing.assert_close(got[:, :, s], causal_attention(q[:, :, s], k[:, :, s], v[:, :, s]))
@@ -168,14 +168,14 @@ def test_never_attends_future_blocks():
     q, k = torch.randn(1, 2, 32, 8, dtype=torch.float64), torch.randn(1, 2, 32, 8, dtype=torch.float64)
     v = torch.zeros(1, 2, 32, 8, dtype=torch.float64)
     v[:, :, 20:] = 1e6
-    out = moba_attention_reference(q, k, v, block_size=4, top_k=8)
+    out = call(moba_attention_reference, q, k, v, block_size=4, top_k=8)
     assert out[:, :, :20].abs().max() < 1e3
 
 
 def test_gradients_flow_to_q_k_v():
     q, k, v = (torch.randn(1, 4, 19, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
     torch.autograd.gradcheck(
-        lambda q, k, v: moba_attention_reference(q, k, v, block_size=4, top_k=2), (q, k, v)
+        lambda q, k, v: call(moba_attention_reference, q, k, v, block_size=4, top_k=2), (q, k, v)
     )  # gradcheck's float64 defaults (central differences of step 1e-6)
 
 

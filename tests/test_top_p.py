@@ -3,7 +3,7 @@ between min_top_k and top_k; the same selection in every kernel, in decode, unde
 
 import pytest
 import torch
-from kernel_cases import CASES, assert_propagates_like_reference, rounding_tol
+from kernel_cases import CASES, assert_propagates_like_reference, call, rounding_tol
 from tiny_models import tiny_model
 
 import moba_hf
@@ -73,7 +73,7 @@ def test_sparse_decode_selects_and_attends_as_the_reference():
     gate = dict(block_size=6, top_k=6, pooling="bound", sink_blocks=1, top_p=0.6, min_top_k=2)
     out = moba_decode(q, keys, values, block_keys_from_cache(keys, 6, "bound", starts), starts=starts, **gate)
     for r, s in enumerate(starts.tolist()):
-        want = moba_attention_reference(q[r : r + 1], keys[r : r + 1, :, s:], values[r : r + 1, :, s:], **gate)
+        want = call(moba_attention_reference, q[r : r + 1], keys[r : r + 1, :, s:], values[r : r + 1, :, s:], **gate)
         tol = rounding_tol(torch.float64, 2, 90, 8)
         torch.testing.assert_close(out[r : r + 1], want, rtol=tol, atol=tol)
 
@@ -131,7 +131,7 @@ def test_bad_values_are_refused_naming_the_field_and_range(fields, message):
     if "top_k" not in fields:  # the kernels' keywords refuse the same values
         q, k = _qk(b=1, n=16)
         with pytest.raises(ValueError, match=message.split(" ")[0]):
-            moba_attention_reference(q, k, k, block_size=4, top_k=3, **fields)
+            call(moba_attention_reference, q, k, k, block_size=4, top_k=3, **fields)
 
 
 @pytest.mark.parametrize("top_k,top_p,dense_tail", [(2, 0.5, 0), (1, 0.5, 0), (2, 1.0, 0), (2, 0.5, 16)])
@@ -150,5 +150,5 @@ def test_a_config_file_carries_the_budget(tmp_path):
     path.write_text("[moba]\nblock_size = 64\ntop_k = 12\ntop_p = 0.9\nmin_top_k = 3\n")
     config = MobaConfig.from_file(path)
     assert (config.top_p, config.min_top_k) == (0.9, 3)
-    assert config.gate == GateOptions(top_p=0.9, min_top_k=3)
+    assert config.plan(2).gate == config.plan(1).gate == GateOptions(top_p=0.9, min_top_k=3)
     assert MobaConfig.from_dict(config.to_dict()) == config

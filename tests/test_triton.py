@@ -20,7 +20,15 @@ import sys
 
 import pytest
 import torch
-from kernel_cases import assert_propagates_like_reference, case_tol, flash_atol, moba_inputs, rounding_tol, selection
+from kernel_cases import (
+    assert_propagates_like_reference,
+    call,
+    case_tol,
+    flash_atol,
+    moba_inputs,
+    rounding_tol,
+    selection,
+)
 from kernel_cases import fwd_bwd as _fwd_bwd
 from kernel_cases import gate_id as _gate_id
 from kernel_cases import shape_id as _id
@@ -153,12 +161,12 @@ def test_float16_within_twice_torch_error(triton_impl):
     exact = _fwd_bwd(moba_attention_reference, q, k, v, grad, **kw)
     half = [t.detach().half().requires_grad_() for t in (q, k, v)]
 
-    def naive_fp16(q, k, v, **kw):
+    def naive_fp16(q, k, v, plan, scale=None):
         nq, nk = q.shape[2], k.shape[2]
-        sel = selection(q, k, **kw)
+        sel = selection(q, k, block_size=plan.block_size, top_k=plan.top_k)
         key_pos = torch.arange(nk, device=q.device)
         q_pos = torch.arange(nk - nq, nk, device=q.device)
-        allowed = sel[..., key_pos // kw["block_size"]] & (key_pos[None, :] <= q_pos[:, None])
+        allowed = sel[..., key_pos // plan.block_size] & (key_pos[None, :] <= q_pos[:, None])
         g = q.shape[1] // k.shape[1]
         scores = q @ k.repeat_interleave(g, dim=1).transpose(-1, -2) * q.shape[-1] ** -0.5
         return scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1) @ v.repeat_interleave(g, dim=1)
@@ -187,7 +195,7 @@ def test_supports_only_cuda_or_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     assert not _REGISTRY["triton"].runs_on(q)
     with pytest.raises(ValueError, match="CUDA"):
-        moba_attention_triton(q, q, q, block_size=4, top_k=2)
+        call(moba_attention_triton, q, q, q, block_size=4, top_k=2)
 
 
 def test_bad_arguments_raise_value_error():
@@ -195,16 +203,17 @@ def test_bad_arguments_raise_value_error():
 
     q, kv = torch.zeros(1, 2, 8, 8), torch.zeros(1, 3, 8, 8)
     with pytest.raises(ValueError, match="top_k"):
-        moba_attention_triton(q, q, q, block_size=4, top_k=0)
+        call(moba_attention_triton, q, q, q, block_size=4, top_k=0)
     with pytest.raises(ValueError, match="multiple"):
-        moba_attention_triton(q, kv, kv, block_size=4, top_k=2)
+        call(moba_attention_triton, q, kv, kv, block_size=4, top_k=2)
 
 
 @pytest.mark.parametrize(
     ("dtype", "fma"), [("bf16", False), ("fp64", True)], ids=["bf16-tensor-cores", "fp64-elementwise"]
 )
 def test_kernels_compile_for_sm90(dtype, fma, tmp_path, monkeypatch):
-    """Lower every kernel to an H100 / H200 cubin, no GPU needed: the interpreter never runs Triton's compiler."""
+    """Lower the kernel at every stage to an H100 / H200 cubin, no GPU needed: the interpreter never runs Triton's
+    compiler."""
     if INTERPRETING:
         pytest.skip("kernels are interpreted in this process")
     import triton
@@ -220,15 +229,17 @@ def test_kernels_compile_for_sm90(dtype, fma, tmp_path, monkeypatch):
     consts |= {"ACC": tl.float64 if fma else tl.float32, "FMA": fma}
     types = {n: f"*{dtype}" for n in ("Q", "K", "V", "DO")} | {"scale": "fp32"}
     types |= {n: "*i32" for n in ("ROWS", "TILE_SEG", "TILE_START", "TILE_END")}
-    types |= {n: f"*{acc}" for n in ("PAIR_LSE", "LSE", "OUT", "DELTA", "DQ", "DK", "DV")}
-    kernels = [triton_impl._pair_lse_kernel, triton_impl._fwd_kernel, triton_impl._bwd_kernel]
-    for kernel in kernels if not fma else kernels[1:2]:  # float64: one kernel is enough to cover the FMA path
+    types |= {n: f"*{acc}" for n in ("LSE", "OUT", "DELTA", "DK", "DV")}
+    kernel = triton_impl._moba_kernel
+    stages = (triton_impl._PAIR_LSE, triton_impl._FORWARD, triton_impl._BACKWARD)
+    for stage in stages if not fma else stages[1:2]:  # float64: one stage is enough to cover the FMA path
+        constexprs = consts | {"STAGE": stage.value}
         names = inspect.signature(kernel.fn).parameters
-        signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+        signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
         compiled = triton.compile(
-            ASTSource(fn=kernel, signature=signature, constexprs=consts), GPUTarget("cuda", 90, 32)
+            ASTSource(fn=kernel, signature=signature, constexprs=constexprs), GPUTarget("cuda", 90, 32)
         )
-        assert compiled.asm["cubin"], kernel.fn.__name__
+        assert compiled.asm["cubin"], f"stage {stage.value}"
 
 
 def test_import_without_triton_is_a_clear_import_error(monkeypatch):
@@ -248,4 +259,4 @@ def test_registry_runs_triton_when_interpreting(triton_impl, monkeypatch):
     assert kernels.resolve_backend("triton", q) == "triton"
     out = kernels.moba_attention(q, q, q, block_size=8, top_k=2, backend="triton")
     tol = rounding_tol(torch.float64, 20, 20, 8)
-    torch.testing.assert_close(out, moba_attention_reference(q, q, q, block_size=8, top_k=2), atol=tol, rtol=tol)
+    torch.testing.assert_close(out, call(moba_attention_reference, q, q, q, block_size=8, top_k=2), atol=tol, rtol=tol)

@@ -12,7 +12,8 @@ from collections.abc import Callable
 
 import torch
 
-from moba_hf import MobaConfig, causal_attention, moba_attention
+from moba_hf import MobaConfig, causal_attention
+from moba_hf.kernels import attend_plan
 from moba_hf.kernels.dual_chunk import dca_attention
 from moba_hf.kernels.rope import rotate
 from moba_hf.vllm.paged import PagedDca, PagedGateKeys, moba_paged
@@ -114,7 +115,7 @@ def moba_answer(config: MobaConfig, q, k, v, scale: float, *, dense: bool = Fals
     nq = q.shape[2]
     if dense or (nq == 1 and config.decode == "full"):
         return causal_attention(q, k, v, scale=scale)
-    want = moba_attention(q, k, v, scale=scale, **config.kernel_kwargs(nq))
+    want = attend_plan(q, k, v, config.plan(nq).sparse, scale)
     tail = min(config.dense_tail, nq) if nq > 1 else 0  # a prompt's or a chunk's last queries, not a decode
     if tail:
         want[:, :, nq - tail :] = causal_attention(q[:, :, nq - tail :], k, v, scale=scale)
@@ -142,15 +143,15 @@ def dca_answer(config: MobaConfig, dca: PagedDca, raw_q, raw_k, v, n: int, scale
     k = rotate(raw_k, p[:, None] % S, dca.inv_freq).transpose(0, 1)[None]
     v = v.transpose(0, 1)[None]
     dense = not config.sparse or (nq == 1 and config.decode == "full")
-    moba = {} if dense else config.kernel_kwargs(nq)
+    plan = None if dense else config.plan(nq).sparse
     dca_args = dict(pretraining_length=C, chunk_size=S, inv_freq=dca.inv_freq, scale=scale,
                     temperature=dca.params.temperature_factor(n))  # fmt: skip
     if n > S:
-        want = dca_attention(q, k, v, **dca_args, **moba)
+        want = dca_attention(q, k, v, **dca_args, plan=plan)
     elif dense:
         want = causal_attention(q, k, v, scale=scale)
     else:
-        want = moba_attention(q, k, v, scale=scale, **moba)
+        want = attend_plan(q, k, v, plan, scale)
     tail = min(config.dense_tail, nq) if nq > 1 and not dense else 0  # the last queries of a prompt or chunk
     if tail:  # attend as dense DCA (plain causal attention within one chunk) over all n keys
         dense_rows = dca_attention(q, k, v, **dca_args) if n > S else causal_attention(q, k, v, scale=scale)

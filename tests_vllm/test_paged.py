@@ -11,8 +11,9 @@ import torch
 from paged_cases import HKV, HQ, PAGE, QUERY_LENS, SEQ_LENS, C, D, S
 from vllm import _custom_ops as ops
 
-from moba_hf import MobaConfig, moba_attention
+from moba_hf import MobaConfig
 from moba_hf.dca.config import DcaParams
+from moba_hf.kernels import attend_plan
 from moba_hf.kernels.pooling import pooled_keys
 from moba_hf.kernels.rope import default_inv_freq, rotate
 from moba_hf.vllm import layouts, startup
@@ -84,10 +85,9 @@ def decode_step(config, kv_cache, pages, keys, values, query, gate_keys):
         query, keys[-1:], values[-1:], key_cache, value_cache, output, query_start_loc=[0, 1], seq_lens=[length],
         block_table=pages[None].int(), config=config, scale=D**-0.5, gate_keys=gate_keys,
     )  # fmt: skip
-    want = moba_attention(
-        query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-        scale=D**-0.5, **config.kernel_kwargs(1),
-    )  # fmt: skip
+    want = attend_plan(
+        query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], config.plan(1), D**-0.5
+    )
     return output.transpose(0, 1)[None], want
 
 

@@ -209,7 +209,7 @@ def _attend(
     layer: int | None,
     dca: core.Dca | None = None,
 ) -> torch.Tensor:
-    route = core.path(config, q.shape[2], k.shape[2], dense_layer=dense, dca=dca)
+    route = core.route(dense, k.shape[2], dca)
     if route == "moba":
         backend = functools.partial(resolve_backend, config.backend, q, needs_grad=needs_grad(q, k, v))
         selection = functools.partial(core.selection, q, k, config)

@@ -104,21 +104,13 @@ def record_attention(
     b, hq, nq = q.shape[:3]
     causal = b * causal_pairs(hq, nq, num_keys)
     attended = causal
-    if moba is not None and moba.gate.top_p is not None and moba.gate.top_p < 1:
+    plan = None if moba is None else moba.plan(nq)
+    if plan is not None and plan.gate.top_p is not None and plan.gate.top_p < 1:
         if selection is None:
             raise ValueError("an adaptive budget (top_p) is counted on its selection: pass selection=")
-        attended = selected_pairs(selection(), num_keys, moba.block_size, moba.tail_queries(nq))
-    elif moba is not None:
-        attended = rule_pairs(
-            b * hq,
-            nq,
-            num_keys,
-            block_size=moba.block_size,
-            top_k=moba.step_top_k(nq),
-            sink_blocks=moba.sink_blocks,
-            local_blocks=moba.local_blocks,
-            dense_tail=moba.tail_queries(nq),
-        )
+        attended = selected_pairs(selection(), num_keys, plan.block_size, plan.dense_tail)
+    elif plan is not None:
+        attended = b * hq * plan.attended_pairs(nq, num_keys)
     record(layer, attended, causal, backend if isinstance(backend, str) else backend())
 
 
@@ -150,36 +142,3 @@ def attended_pairs(selected: torch.Tensor, kv_length: int, block_size: int) -> i
     visible = torch.clamp(q_pos[:, None] - block_start[None, :] + 1, min=0)
     visible = torch.minimum(visible, block_len[None, :])
     return int((selected * visible).sum())
-
-
-def rule_pairs(
-    heads: int,
-    q_length: int,
-    kv_length: int,
-    *,
-    block_size: int,
-    top_k: int,
-    sink_blocks: int = 0,
-    local_blocks: int = 0,
-    dense_tail: int = 0,
-) -> int:
-    """Pairs MoBA attends, counted from the selection rule alone (equals `attended_pairs` of the real selection).
-
-    The rule always takes the query's own block (causally), the forced sink / local blocks before it and the
-    top_k - 1 best of the remaining earlier blocks, or all of them when fewer remain; earlier blocks are whole. So
-    the count never depends on the gate scores, and tracking need not score the blocks a second time. The last
-    `dense_tail` queries attend every key up to themselves.
-    """
-    p = torch.arange(kv_length - q_length, kv_length)
-    current = p // block_size
-    sink = current.clamp(max=sink_blocks)
-    local = current.clamp(max=local_blocks)
-    overlap = (sink - (current - local_blocks).clamp(min=0)).clamp(min=0)  # blocks both sink and local
-    forced = sink + local - overlap
-    picks = (current - forced).clamp(min=0, max=max(top_k - 1, 0))
-    own = p - current * block_size + 1
-    attended = own + block_size * (forced + picks)
-    tail = min(dense_tail, q_length)
-    if tail:
-        attended[q_length - tail :] = p[q_length - tail :] + 1
-    return heads * int(attended.sum())

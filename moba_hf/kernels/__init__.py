@@ -1,9 +1,11 @@
 """MoBA kernels: one public function, many backends, no transformers import.
 
-Every backend is a function with exactly the signature of `moba_attention_reference`; `moba_attention`
-dispatches to one by name. What a backend can do is data, one `Backend` entry each in `_REGISTRY`; backends
-living in optional-dependency modules are imported lazily, and a missing dependency (or an input the backend
-cannot take, or gradients it cannot compute) falls back to what "auto" picks, with one log line per backend.
+Every backend is a `BackendFunction`, ``(q, k, v, plan, scale)`` as `moba_attention_reference`: the `BlockPlan`
+says which keys each query sees, validated when it is built; `moba_attention` builds one from its keywords and
+dispatches to a backend by name (`attend_plan` takes a plan). What a backend can do is data, one `Backend` entry
+each in `_REGISTRY`; backends living in optional-dependency modules are imported lazily, and a missing dependency
+(or an input the backend cannot take, or gradients it cannot compute) falls back to what "auto" picks, with one
+log line per backend.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import torch
 
 from .. import logs
 from .causal import causal_attention, causal_attention_unchecked, with_dense_tail
-from .checks import check_inputs, check_moba_args, cuda_or_triton_interpreter, flash_attn_takes, flex_takes, needs_grad
+from .checks import check_inputs, check_shapes, cuda_or_triton_interpreter, flash_attn_takes, flex_takes, needs_grad
+from .plan import BackendFunction, BlockPlan
 from .reference import moba_attention_reference
 from .selection import GateOptions, gate_scores, selected_blocks
 
@@ -95,7 +98,8 @@ BACKENDS: Sequence[str] = _Names()
 
 def register_backend(backend: Backend) -> None:
     """Add (or replace) a backend; `moba_attention(..., backend=backend.name)` and `MobaConfig(backend=...)`
-    accept its name from then on."""
+    accept its name from then on. Its loader names a `BackendFunction`: ``fn(q, k, v, plan, scale)`` with the
+    contract of `moba_attention_reference` (a plan without a dense tail; `attend_plan` applies the tail)."""
     if not backend.name or backend.name == "auto" or ":" not in backend.loader:
         raise ValueError(f"a backend needs a name other than 'auto' and a 'module:function' loader, got {backend}")
     _REGISTRY[backend.name] = backend
@@ -176,32 +180,40 @@ def moba_attention(
     in the reference); q, k, v: floating point, one dtype, one device.
     `pooling`, `sink_blocks`, `local_blocks`, `top_p` (an adaptive budget of at most top_k blocks),
     `min_top_k`: see `MobaConfig`. The last `dense_tail` queries (all of them when
-    Nq <= dense_tail) attend every earlier key, as `causal_attention`.
+    Nq <= dense_tail) attend every earlier key, as `causal_attention`. The keywords make a `BlockPlan`
+    (`attend_plan` takes one).
     """
+    gate = (pooling, sink_blocks, local_blocks, top_p, min_top_k)
+    plan = BlockPlan.build(block_size, top_k, *gate, dense_tail=dense_tail)
+    return attend_plan(q, k, v, plan, scale, backend=backend)
+
+
+def attend_plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: BlockPlan,
+    scale: float | None = None,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """`moba_attention` under a `BlockPlan` (its dense tail included) with the backend `backend`."""
+    if not isinstance(plan, BlockPlan):
+        raise ValueError(f"plan must be a BlockPlan, got {type(plan).__name__}")
     check_inputs(q, k, v, scale)
     name = resolve_backend(backend, q, needs_grad=needs_grad(q, k, v))
     logger.debug("moba_attention: backend=%s q=%s k=%s", name, tuple(q.shape), tuple(k.shape))
-    options = dict(
-        block_size=block_size,
-        top_k=top_k,
-        scale=scale,
-        pooling=pooling,
-        sink_blocks=sink_blocks,
-        local_blocks=local_blocks,
-        top_p=top_p,
-        min_top_k=min_top_k,
-    )
-    # checked here: a call that gates nothing (top_k = 1, or a tail over every query) never reaches the selection
-    GateOptions(pooling, sink_blocks, local_blocks, top_p, min_top_k).check_top_k(top_k)
-    if not dense_tail:
-        return _loaded[name](q, k, v, **options)
-    check_moba_args(q, k, v, block_size=block_size, top_k=top_k)
+    run = _loaded[name]
+    if not plan.dense_tail:
+        return run(q, k, v, plan, scale)
+    check_shapes(q, k, v)
+    sparse = plan.sparse
     return with_dense_tail(
         q,
         k,
         v,
-        dense_tail,
-        lambda q_, k_, v_: _loaded[name](q_, k_, v_, **options),
+        plan.dense_tail,
+        lambda q_, k_, v_: run(q_, k_, v_, sparse, scale),
         lambda q_, k_, v_: causal_attention_unchecked(q_, k_, v_, scale),
     )
 
@@ -209,11 +221,14 @@ def moba_attention(
 __all__ = [
     "BACKENDS",
     "Backend",
+    "BackendFunction",
+    "BlockPlan",
     "GateOptions",
+    "attend_plan",
     "backend_available",
     "causal_attention",
     "check_inputs",
-    "check_moba_args",
+    "check_shapes",
     "gate_scores",
     "moba_attention",
     "moba_attention_reference",

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .checks import check_count, check_inputs, check_moba_args, gate_dtype, scale_underflows
+from .checks import check_count, check_inputs, check_shapes, gate_dtype, scale_underflows
 from .nonfinite import SLICE_ELEMENTS, all_finite, masked_matmul
 
 
@@ -17,7 +17,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     q: [B, Hq, Nq, D], k, v: [B, Hkv, Nk, D] -> [B, Hq, Nq, D]. Uses PyTorch SDPA without copying K/V.
     """
     check_inputs(q, k, v, scale)
-    check_moba_args(q, k, v, block_size=1, top_k=1)
+    check_shapes(q, k, v)
     return causal_attention_unchecked(q, k, v, scale)
 
 

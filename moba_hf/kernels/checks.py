@@ -11,11 +11,9 @@ import torch
 from ..options import check_count  # noqa: F401 - the kernels' count check, shared with MobaConfig
 
 
-def check_moba_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: int, top_k: int) -> None:
-    """Raise ValueError naming the parameter, its value and the valid range for any bad argument (the gate's
-    options are checked by `GateOptions`)."""
-    check_count("block_size", block_size, 1)
-    check_count("top_k", top_k, 1)
+def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise ValueError naming the tensor, its shape and the valid layout unless q: [B, Hq, Nq, D] are the last Nq
+    positions of k, v: [B, Hkv, Nk, D] with Hq % Hkv == 0 (the block rule's values are a `BlockPlan`'s)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")

@@ -27,8 +27,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from .checks import check_inputs, check_moba_args, gate_dtype, needs_grad
+from .checks import check_inputs, check_shapes, gate_dtype, needs_grad
 from .nonfinite import masked_matmul
+from .plan import BlockPlan
 from .pooling import gate_queries, gate_width, pooled_keys
 from .selection import GateOptions, block_masks, choose_blocks
 from .workers import run_single_threaded
@@ -48,15 +49,18 @@ def check_decode_args(
     k: torch.Tensor,
     v: torch.Tensor,
     block_keys: torch.Tensor,
+    plan: BlockPlan,
     *,
-    block_size: int,
-    top_k: int,
-    gate: GateOptions,
     starts: torch.Tensor | None,
     scale: object = None,
 ) -> None:
+    """The checks of `decode_plan`'s arguments (the plan's values are its own)."""
     check_inputs(q, k, v, scale)
-    check_moba_args(q, k, v, block_size=block_size, top_k=top_k)
+    check_shapes(q, k, v)
+    if not isinstance(plan, BlockPlan):
+        raise ValueError(f"plan must be a BlockPlan, got {type(plan).__name__}")
+    if plan.dense_tail:
+        raise ValueError(f"decode steps have no dense tail, got a plan with dense_tail={plan.dense_tail}")
     if not isinstance(block_keys, torch.Tensor) or not block_keys.is_floating_point():
         got = block_keys.dtype if isinstance(block_keys, torch.Tensor) else type(block_keys).__name__
         raise ValueError(f"block_keys must be a floating-point tensor (the pooled keys), got {got}")
@@ -64,10 +68,11 @@ def check_decode_args(
         raise ValueError(f"block_keys must be 4-D, got shape {tuple(block_keys.shape)}")
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
-    width = gate_width(d, gate.pooling)
+    pooling = plan.gate.pooling
+    width = gate_width(d, pooling)
     if block_keys.shape[:2] != (b, hkv) or block_keys.shape[3] != width:
         raise ValueError(
-            f"block_keys must be [B={b}, Hkv={hkv}, n_blocks, {width}] for pooling={gate.pooling!r}, "
+            f"block_keys must be [B={b}, Hkv={hkv}, n_blocks, {width}] for pooling={pooling!r}, "
             f"got {tuple(block_keys.shape)}"
         )
     if block_keys.device != q.device:
@@ -144,12 +149,12 @@ def moba_decode(
     *,
     block_size: int,
     top_k: int,
-    scale: float | None = None,
     pooling: str = "mean",
     sink_blocks: int = 0,
     local_blocks: int = 0,
     top_p: float | None = None,
     min_top_k: int = 1,
+    scale: float | None = None,
     starts: torch.Tensor | None = None,
     return_selection: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -163,11 +168,28 @@ def moba_decode(
         Row b's sequence is cache positions starts[b] .. Nk - 1, all real tokens.
     Returns [B, Hq, Nq, D] in q's dtype (and the selection [B, Hq, Nq, n_blocks] if `return_selection`):
     exactly `moba_attention(q_b, k_b, v_b, ...)` for every row's sequence, with `block_keys` as the gate's keys.
+    The keywords make a `BlockPlan` (`decode_plan` takes one).
     """
-    gate = GateOptions(pooling, sink_blocks, local_blocks, top_p, min_top_k)
-    check_decode_args(q, k, v, block_keys, block_size=block_size, top_k=top_k, gate=gate, starts=starts, scale=scale)
+    plan = BlockPlan.build(block_size, top_k, pooling, sink_blocks, local_blocks, top_p, min_top_k)
+    return decode_plan(q, k, v, block_keys, plan, scale, starts=starts, return_selection=return_selection)
+
+
+def decode_plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_keys: torch.Tensor,
+    plan: BlockPlan,
+    scale: float | None = None,
+    *,
+    starts: torch.Tensor | None = None,
+    return_selection: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`moba_decode` under a `BlockPlan` (without a dense tail: decode steps have none)."""
+    check_decode_args(q, k, v, block_keys, plan, starts=starts, scale=scale)
     cache = DenseCache(k, v)
-    step = lambda: _decode(q, cache, block_keys, block_size, top_k, scale, gate, starts, return_selection)  # noqa: E731
+    bs, top_k, gate = plan.block_size, plan.top_k, plan.gate
+    step = lambda: _decode(q, cache, block_keys, bs, top_k, scale, gate, starts, return_selection)  # noqa: E731
     if _reads_in_place(q, cache):
         # a few ops over the selected keys in place: run here; handing them to a worker thread costs a wake-up,
         # which on a loaded machine is more than the step itself
@@ -242,21 +264,13 @@ def _buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, sl
 
 
 def moba_decode_cache(
-    q: torch.Tensor,
-    cache: CacheWindows,
-    block_keys: torch.Tensor,
-    *,
-    block_size: int,
-    top_k: int,
-    gate: GateOptions,
-    scale: float | None = None,
+    q: torch.Tensor, cache: CacheWindows, block_keys: torch.Tensor, plan: BlockPlan, scale: float | None = None
 ) -> torch.Tensor:
-    """`moba_decode` over any cache that reads windows of positions (e.g. a paged one), every row starting at
+    """`decode_plan` over any cache that reads windows of positions (e.g. a paged one), every row starting at
     cache position 0. q: [B, Hq, Nq, D], the last Nq positions; block_keys as in `moba_decode`; checked by the
     caller (shapes of a paged cache are the caller's to get right)."""
-    return run_single_threaded(
-        lambda: _decode(q, cache, block_keys, block_size, top_k, scale, gate, None, False), q.device
-    )
+    bs, top_k, gate = plan.block_size, plan.top_k, plan.gate
+    return run_single_threaded(lambda: _decode(q, cache, block_keys, bs, top_k, scale, gate, None, False), q.device)
 
 
 def _decode(q, cache, block_keys, block_size, top_k, scale, gate, starts, return_selection):

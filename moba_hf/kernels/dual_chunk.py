@@ -22,13 +22,14 @@ from collections.abc import Iterator
 import torch
 
 from .causal import causal_attention, with_dense_tail
-from .checks import check_count, check_inputs, check_moba_args, gate_dtype, num_blocks
+from .checks import check_inputs, check_shapes, gate_dtype, num_blocks
 from .dense import attention_with_lse, fused_available, merge_lse_, merge_partials, partial_attention
 from .dual_chunk_positions import INTER, INTRA, SUCCESSIVE, query_positions
 from .nonfinite import all_finite, has_nonfinite, propagate_nonfinite
+from .plan import BlockPlan
 from .pooling import pooled_keys
 from .rope import rotate
-from .selection import DEFAULT_GATE, GateOptions, choose_blocks, gate_scores
+from .selection import choose_blocks, gate_scores
 from .torch_impl import attention_with_query_variants
 
 # elements of one score tile [B, Hq, T, Nk]: bounds the memory of a prefill (2**27 float32 = 512 MiB)
@@ -74,9 +75,7 @@ def dca_selection_slices(
     k: torch.Tensor,
     *,
     chunk_size: int,
-    block_size: int,
-    top_k: int,
-    gate: GateOptions,
+    plan: BlockPlan,
     queries: tuple[int, int] | None = None,
     slice_elements: int = _SCORE_ELEMENTS,
     pooled: torch.Tensor | None = None,
@@ -88,6 +87,7 @@ def dca_selection_slices(
     blocks are scored once, with its own variant."""
     b, hq, nq = variants[0].shape[:3]
     nk = k.shape[2]
+    block_size, top_k, gate = plan.block_size, plan.top_k, plan.gate
     first = nk - nq  # position of query 0
     per_chunk = chunk_size // block_size
     lo_query, hi_query = queries or (0, nq)
@@ -111,10 +111,8 @@ def dca_selection_slices(
             return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
 
         current = torch.arange(first + a, first + end, device=k.device) // block_size
-        yield a, choose_blocks(
-            current, seen, scores, batch_heads=(b, hq), top_k=top_k, gate=gate,
-            first_block=(first + a) // block_size, head_dim=k.shape[3],
-        )  # fmt: skip
+        rule = dict(top_k=top_k, gate=gate, first_block=(first + a) // block_size, head_dim=k.shape[3])
+        yield a, choose_blocks(current, seen, scores, batch_heads=(b, hq), **rule)
         a = end
 
 
@@ -123,9 +121,7 @@ def dca_selected_blocks(
     k: torch.Tensor,
     *,
     chunk_size: int,
-    block_size: int,
-    top_k: int,
-    gate: GateOptions = DEFAULT_GATE,
+    plan: BlockPlan,
 ) -> torch.Tensor:
     """MoBA selection under DCA: bool [B, Hq, Nq, n_blocks].
 
@@ -133,12 +129,10 @@ def dca_selected_blocks(
     best earlier blocks), but block b's gate score is q_variant . pool(K_b) with the variant of b's region.
     """
     b, hq, nq = variants[0].shape[:3]
-    selected = torch.zeros(b, hq, nq, num_blocks(k.shape[2], block_size), dtype=torch.bool, device=k.device)
+    nb = num_blocks(k.shape[2], plan.block_size)
+    selected = torch.zeros(b, hq, nq, nb, dtype=torch.bool, device=k.device)
     with torch.no_grad():
-        slices = dca_selection_slices(
-            variants, k, chunk_size=chunk_size, block_size=block_size, top_k=top_k, gate=gate
-        )  # fmt: skip
-        for a, chosen in slices:
+        for a, chosen in dca_selection_slices(variants, k, chunk_size=chunk_size, plan=plan):
             selected[:, :, a : a + chosen.shape[2], : chosen.shape[3]] = chosen
     return selected
 
@@ -150,14 +144,12 @@ def dca_selection(
     pretraining_length: int,
     chunk_size: int,
     inv_freq: torch.Tensor,
-    block_size: int,
-    top_k: int,
-    gate: GateOptions = DEFAULT_GATE,
+    plan: BlockPlan,
 ) -> torch.Tensor:
     """The blocks `dca_attention` with these arguments lets each query attend: bool [B, Hq, Nq, n_blocks]
     (q, k as `dca_attention` takes them; a dense tail is the caller's to apply)."""
     variants = query_variants(q, k.shape[2], pretraining_length, chunk_size, inv_freq, gate_dtype(q.dtype))
-    return dca_selected_blocks(variants, k, chunk_size=chunk_size, block_size=block_size, top_k=top_k, gate=gate)
+    return dca_selected_blocks(variants, k, chunk_size=chunk_size, plan=plan)
 
 
 def dca_attention(
@@ -170,82 +162,67 @@ def dca_attention(
     inv_freq: torch.Tensor,
     scale: float | None = None,
     temperature: float = 1.0,
-    block_size: int | None = None,
-    top_k: int = 3,
-    pooling: str = "mean",
-    sink_blocks: int = 0,
-    local_blocks: int = 0,
-    top_p: float | None = None,
-    min_top_k: int = 1,
-    dense_tail: int = 0,
+    plan: BlockPlan | None = None,
 ) -> torch.Tensor:
-    """Dual Chunk Attention; with `block_size`, composed with MoBA.
+    """Dual Chunk Attention; with a `plan`, composed with MoBA.
 
     q: [B, Hq, Nq, D] rotated at (i mod chunk_size); k, v: [B, Hkv, Nk, D], k rotated at (j mod chunk_size);
     the queries are the last Nq of the Nk positions. inv_freq: [D / 2], the model's RoPE inverse frequencies.
-    temperature multiplies the logits (1.0 = off). block_size None: dense causal DCA; otherwise MoBA (top_k,
-    pooling, sink_blocks, local_blocks, top_p, min_top_k, dense_tail as in `moba_attention`; the tail runs dense
-    DCA) with block_size dividing chunk_size. Returns [B, Hq, Nq, D] in q's dtype.
+    temperature multiplies the logits (1.0 = off). plan None: dense causal DCA; otherwise MoBA under `plan` (its
+    dense tail runs dense DCA), whose block_size divides chunk_size. Returns [B, Hq, Nq, D] in q's dtype.
     """
-    check_count("dense_tail", dense_tail, 0)
-    if dense_tail and block_size is not None:
-        moba = dict(block_size=block_size, top_k=top_k, pooling=pooling, sink_blocks=sink_blocks,
-                    local_blocks=local_blocks, top_p=top_p, min_top_k=min_top_k)  # fmt: skip
-        dca = dict(pretraining_length=pretraining_length, chunk_size=chunk_size, inv_freq=inv_freq, scale=scale,
-                   temperature=temperature)  # fmt: skip
-        check_inputs(q, k, v, scale)
-        check_moba_args(q, k, v, block_size=block_size, top_k=top_k)
-        GateOptions(pooling, sink_blocks, local_blocks, top_p, min_top_k)
-        return with_dense_tail(
-            q, k, v, dense_tail, lambda q_, k_, v_: dca_attention(q_, k_, v_, **dca, **moba),
-            lambda q_, k_, v_: dca_attention(q_, k_, v_, **dca),
-        )  # fmt: skip
+    dca = dict(pretraining_length=pretraining_length, chunk_size=chunk_size, inv_freq=inv_freq, scale=scale)
+    dca["temperature"] = temperature
     check_inputs(q, k, v, scale)
+    check_shapes(q, k, v)
+    if plan is not None and not isinstance(plan, BlockPlan):
+        raise ValueError(f"plan must be a BlockPlan or None (dense DCA), got {type(plan).__name__}")
+    if plan is not None and plan.dense_tail:
+        sparse, dense = plan.sparse, None
+        return with_dense_tail(
+            q,
+            k,
+            v,
+            plan.dense_tail,
+            lambda q_, k_, v_: dca_attention(q_, k_, v_, **dca, plan=sparse),
+            lambda q_, k_, v_: dca_attention(q_, k_, v_, **dca, plan=dense),
+        )
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 < temperature < math.inf:
         raise ValueError(f"temperature must be a finite number > 0 (1.0 = off), got {temperature!r}")
-    gate = None if block_size is None else GateOptions(pooling, sink_blocks, local_blocks, top_p, min_top_k)
-    if block_size is None:
-        check_moba_args(q, k, v, block_size=1, top_k=1)
-    else:
-        check_moba_args(q, k, v, block_size=block_size, top_k=top_k)
-        if chunk_size % block_size:
-            raise ValueError(f"chunk_size ({chunk_size}) must be a multiple of block_size ({block_size})")
+    block_size = None if plan is None else plan.block_size
+    if plan is not None and chunk_size % block_size:
+        raise ValueError(f"chunk_size ({chunk_size}) must be a multiple of block_size ({block_size})")
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     _check_dca(pretraining_length, chunk_size, inv_freq, d)
     s, g = chunk_size, hq // hkv
     dtype = gate_dtype(q.dtype)
     variants = query_variants(q, nk, pretraining_length, s, inv_freq, dtype)
-    moba = dict(chunk_size=s, block_size=block_size, top_k=top_k, gate=gate)
 
     def whole_selection() -> torch.Tensor | None:
-        return None if gate is None else dca_selected_blocks(variants, k, **moba)
+        return None if plan is None else dca_selected_blocks(variants, k, chunk_size=s, plan=plan)
 
     if has_nonfinite(q, v):  # the kernels' NaN / inf rule (see kernels.nonfinite.propagate_nonfinite)
-        args = dict(pretraining_length=pretraining_length, chunk_size=chunk_size, inv_freq=inv_freq, scale=scale,
-                    temperature=temperature, block_size=block_size, top_k=top_k, pooling=pooling,
-                    sink_blocks=sink_blocks, local_blocks=local_blocks, top_p=top_p, min_top_k=min_top_k)  # fmt: skip
         allowed = _allowed(q, k, whole_selection(), block_size)  # the selection of the original q, as the reference's
-        return propagate_nonfinite(lambda q_, v_: dca_attention(q_, k, v_, **args), q, v, allowed)
+        return propagate_nonfinite(lambda q_, v_: dca_attention(q_, k, v_, **dca, plan=plan), q, v, allowed)
     scale = (d**-0.5 if scale is None else scale) * temperature
     # inference on CPU: fused pieces merged by log-sum-exp (dense: one call per part; MoBA: the torch kernel's
     # gathered blocks, each reading the query variant of its region)
     fast = fused_available(q) and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
     fast = fast and all_finite(k)  # the fused op zeroes a row whose scores are all NaN
-    if block_size is None:
+    if plan is None:
         if fast:
             return _dense_dca_by_parts(variants, k, v, s, scale).to(q.dtype)
         return _dense_dca(variants, k, v, s, scale).to(q.dtype)
     if fast:  # each worker selects the blocks of its own queries, slice by slice, then attends them
-        pooled = pooled_keys(k, block_size, gate.pooling) if top_k > 1 else None  # once, shared by the workers
+        pooled = pooled_keys(k, block_size, plan.gate.pooling) if plan.top_k > 1 else None  # once, for the workers
+        slices = dict(chunk_size=s, plan=plan, slice_elements=_PART_SCORE_ELEMENTS, pooled=pooled)
 
         def select(first: int, end: int) -> Iterator[tuple[int, torch.Tensor]]:
-            return dca_selection_slices(
-                variants, k, queries=(first, end), slice_elements=_PART_SCORE_ELEMENTS, pooled=pooled, **moba
-            )
+            return dca_selection_slices(variants, k, queries=(first, end), **slices)
 
         out = attention_with_query_variants(
-            variants, k, v, selected=select, block_size=block_size, variant_chunk=s, scale=scale, top_k=top_k
+            variants, k, v, selected=select, block_size=block_size, variant_chunk=s, scale=scale, top_k=plan.top_k
         )
         return out.to(q.dtype)
     # with gradients (or off CPU), MoBA: per query tile, one masked part per region, merged by log-sum-exp

@@ -27,9 +27,10 @@ import re
 import torch
 import torch.nn.functional as F
 
-from .checks import check_moba_args, effective_block_size, flash_attn_takes, gate_dtype, num_blocks
+from .checks import effective_block_size, flash_attn_takes, gate_dtype, num_blocks
 from .dense import merge_lse_rows
 from .nonfinite import route_nonfinite
+from .plan import BlockPlan, check_call
 from .selection import GateOptions, selection_slices
 
 try:
@@ -87,32 +88,20 @@ def _gated_rows(q, k, block_size: int, top_k: int, gate: GateOptions) -> tuple[t
 
 
 def moba_attention_flash(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    block_size: int,
-    top_k: int,
-    scale: float | None = None,
-    pooling: str = "mean",
-    sink_blocks: int = 0,
-    local_blocks: int = 0,
-    top_p: float | None = None,
-    min_top_k: int = 1,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, scale: float | None = None
 ) -> torch.Tensor:
     """MoBA attention on flash-attn (same contract as `moba_attention_reference`); differentiable in q, k, v.
 
     q: [B, Hq, Nq, D]; k, v: [B, Hkv, Nk, D]; returns [B, Hq, Nq, D] in q's dtype. Needs CUDA fp16/bf16 tensors.
     """
-    gate = GateOptions(pooling, sink_blocks, local_blocks, top_p, min_top_k)
-    check_moba_args(q, k, v, block_size=block_size, top_k=top_k)
-    block_size = effective_block_size(block_size, k.shape[2])  # bounded by the sequence
+    check_call(q, k, v, plan)
+    block_size = effective_block_size(plan.block_size, k.shape[2])  # bounded by the sequence
     if not flash_attn_takes(q):
         raise ValueError(
             "backend 'flash' needs CUDA float16/bfloat16 tensors with head_dim <= 256 on an sm80+ GPU, got "
             f"device {q.device}, dtype {q.dtype}, head_dim {q.shape[-1]}"
         )
-    guarded = route_nonfinite(moba_attention_flash, q, k, v, scale=scale, block_size=block_size, top_k=top_k, gate=gate)
+    guarded = route_nonfinite(moba_attention_flash, q, k, v, plan, scale)
     if guarded is not None:
         return guarded
     b, hq, nq, d = q.shape
@@ -129,7 +118,7 @@ def moba_attention_flash(
         ends = (firsts + bs).clamp_(max=nk)
         own_q = (ends - firsts.clamp(min=start)).repeat(b * hkv)
         own_k = (ends - firsts).repeat(b * hkv)
-        rows, blocks = _gated_rows(q, k, bs, top_k, gate) if gate.reaches_back(top_k) else (None, None)
+        rows, blocks = _gated_rows(q, k, bs, plan.top_k, plan.gate) if plan.reaches_back() else (None, None)
     merge = rows is not None and rows.numel() > 0
     k, v = k.to(q.dtype), v.to(q.dtype)  # after the gate, which pools k in its own dtype like the reference
     surrogate = merge and exact_lse_gradient and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)

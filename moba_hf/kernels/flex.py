@@ -17,8 +17,9 @@ from collections.abc import Callable
 
 import torch
 
-from .checks import FLEX_CPU_DTYPES, check_moba_args, effective_block_size, flex_takes, needs_grad, num_blocks
+from .checks import FLEX_CPU_DTYPES, effective_block_size, flex_takes, needs_grad, num_blocks
 from .nonfinite import all_finite, has_nonfinite, propagate_moba_nonfinite
+from .plan import BlockPlan, check_call
 from .selection import DEFAULT_GATE, GateOptions, selection_slices
 from .torch_impl import moba_attention_torch
 
@@ -129,43 +130,30 @@ def moba_block_mask(
 
 
 def moba_attention_flex(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    block_size: int,
-    top_k: int,
-    scale: float | None = None,
-    pooling: str = "mean",
-    sink_blocks: int = 0,
-    local_blocks: int = 0,
-    top_p: float | None = None,
-    min_top_k: int = 1,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, scale: float | None = None
 ) -> torch.Tensor:
     """MoBA attention (same contract as `moba_attention_reference`) with FlexAttention.
 
     q: [B, Hq, Nq, D]; k, v: [B, Hkv, Nk, D]; returns [B, Hq, Nq, D] in q's dtype; differentiable in q, k, v.
     """
-    gate = GateOptions(pooling, sink_blocks, local_blocks, top_p, min_top_k)
-    check_moba_args(q, k, v, block_size=block_size, top_k=top_k)
+    check_call(q, k, v, plan)
     if not flex_takes(q):  # the registry sends such calls to another backend
         raise ValueError(
             f"backend 'flex' takes CPU tensors in {', '.join(map(str, FLEX_CPU_DTYPES))} only, got {q.dtype}: "
             "use backend 'torch' (or 'auto')"
         )
-    block_size = effective_block_size(block_size, k.shape[2])  # bounded by the sequence
-    moba = dict(block_size=block_size, top_k=top_k, gate=gate)
     if has_nonfinite(q, v):
-        return propagate_moba_nonfinite(moba_attention_flex, q, k, v, scale=scale, **moba)
+        return propagate_moba_nonfinite(moba_attention_flex, q, k, v, plan, scale)
     if not all_finite(k):  # compiled FlexAttention (CPU) drops NaN scores: the row would hide the NaN
-        return moba_attention_torch(q, k, v, block_size=block_size, top_k=top_k, scale=scale, **gate.as_kwargs())
+        return moba_attention_torch(q, k, v, plan, scale)
     if needs_grad(q, k, v) and q.device.type == "cpu":  # the registry sends such calls to another backend
         raise ValueError(
             "backend 'flex' has no CPU backward: use backend 'torch' (or 'auto') when gradients are needed"
         )
     cpu = q.device.type == "cpu"
     with torch.no_grad():
-        mask = moba_block_mask(q, k, **moba, whole_tiles=cpu)
+        block_size = effective_block_size(plan.block_size, k.shape[2])  # bounded by the sequence
+        mask = moba_block_mask(q, k, block_size=block_size, top_k=plan.top_k, gate=plan.gate, whole_tiles=cpu)
     nq, gqa = q.shape[2], q.shape[1] != k.shape[1]
     if cpu:
         # Inductor's CPU kernel reads whole tiles: past the last query or key it reads memory outside the tensors,

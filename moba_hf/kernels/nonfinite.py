@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from .checks import effective_block_size, gate_dtype, needs_grad
+from .plan import BackendFunction, BlockPlan
 from .selection import GateOptions, selected_blocks
 
 # --- NaN / inf inputs ---------------------------------------------------------------------------------------------
@@ -144,23 +145,17 @@ def needs_finite_key_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return needs_grad(q, k, v) and not all_finite(k)
 
 
-def propagate_moba_nonfinite(
-    attend: Callable[..., torch.Tensor], q, k, v, *, scale, block_size: int, top_k: int, gate: GateOptions
-) -> torch.Tensor:
-    """`propagate_nonfinite` for a backend `attend` (the public signature) under MoBA's selection."""
-    kw = dict(scale=scale, block_size=block_size, top_k=top_k, **gate.as_kwargs())
-    allowed = moba_allowed(q, k, block_size=block_size, top_k=top_k, gate=gate)
-    return propagate_nonfinite(lambda q_, v_: attend(q_, k, v_, **kw), q, v, allowed)
+def propagate_moba_nonfinite(attend: BackendFunction, q, k, v, plan: BlockPlan, scale) -> torch.Tensor:
+    """`propagate_nonfinite` for a backend `attend` under MoBA's selection."""
+    allowed = moba_allowed(q, k, block_size=plan.block_size, top_k=plan.top_k, gate=plan.gate)
+    return propagate_nonfinite(lambda q_, v_: attend(q_, k, v_, plan, scale), q, v, allowed)
 
 
-def route_nonfinite(
-    attend: Callable[..., torch.Tensor], q, k, v, *, scale, block_size: int, top_k: int, gate: GateOptions
-) -> torch.Tensor | None:
-    """For kernels that cannot carry NaN / inf themselves: the result of the backend `attend` (the public
-    signature) with NaN / inf propagated exactly as in the reference, or None when the inputs need no such care."""
+def route_nonfinite(attend: BackendFunction, q, k, v, plan: BlockPlan, scale) -> torch.Tensor | None:
+    """For kernels that cannot carry NaN / inf themselves: the result of the backend `attend` with NaN / inf
+    propagated exactly as in the reference, or None when the inputs need no such care."""
     if has_nonfinite(q, v):
-        return propagate_moba_nonfinite(attend, q, k, v, scale=scale, block_size=block_size, top_k=top_k, gate=gate)
+        return propagate_moba_nonfinite(attend, q, k, v, plan, scale)
     if needs_finite_key_gradients(q, k, v):
-        kw = dict(scale=scale, block_size=block_size, top_k=top_k, **gate.as_kwargs())
-        return finite_key_gradients(lambda k_: attend(q, k_, v, **kw), k)
+        return finite_key_gradients(lambda k_: attend(q, k_, v, plan, scale), k)
     return None

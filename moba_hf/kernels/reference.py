@@ -4,38 +4,28 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_moba_args, effective_block_size, gate_dtype
+from .checks import effective_block_size, gate_dtype
 from .nonfinite import masked_matmul
-from .selection import GateOptions, selected_blocks
+from .plan import BlockPlan, check_call
+from .selection import selected_blocks
 
 
 def moba_attention_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    block_size: int,
-    top_k: int,
-    scale: float | None = None,
-    pooling: str = "mean",
-    sink_blocks: int = 0,
-    local_blocks: int = 0,
-    top_p: float | None = None,
-    min_top_k: int = 1,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, scale: float | None = None
 ) -> torch.Tensor:
     """MoBA attention, clarity first.
 
     q: [B, Hq, Nq, D]; k, v: [B, Hkv, Nk, D] with Hq % Hkv == 0 and Nq <= Nk (queries are the last Nq
-    positions). Returns [B, Hq, Nq, D] in q's dtype. Softmax in float32 (float64 stays float64).
+    positions); `plan` without a dense tail; `scale` None: head_dim ** -0.5. Returns [B, Hq, Nq, D] in q's dtype.
+    Softmax in float32 (float64 stays float64). Every backend has exactly this signature.
     """
-    gate = GateOptions(pooling, sink_blocks, local_blocks, top_p, min_top_k)
-    check_moba_args(q, k, v, block_size=block_size, top_k=top_k)
-    block_size = effective_block_size(block_size, k.shape[2])  # bounded by the sequence
+    check_call(q, k, v, plan)
+    block_size = effective_block_size(plan.block_size, k.shape[2])  # bounded by the sequence
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     scale = d**-0.5 if scale is None else scale
 
-    blocks = selected_blocks(q, k, block_size=block_size, top_k=top_k, gate=gate)  # [B, Hq, Nq, n_blocks]
+    blocks = selected_blocks(q, k, block_size=block_size, top_k=plan.top_k, gate=plan.gate)  # [B, Hq, Nq, n_blocks]
     key_pos = torch.arange(nk, device=q.device)
     query_pos = torch.arange(nk - nq, nk, device=q.device)
     allowed = blocks[..., key_pos // block_size] & (key_pos[None, :] <= query_pos[:, None])  # [B, Hq, Nq, Nk]

@@ -32,7 +32,8 @@ _MAX_PASS_PICKS = 2  # up to this many gated picks per query, repeated max passe
 
 @dataclasses.dataclass(frozen=True)
 class GateOptions:
-    """How the gate scores blocks and which blocks it forces, beyond block_size / top_k (see `MobaConfig`).
+    """How the gate scores blocks and which blocks it forces, beyond block_size / top_k (see `MobaConfig`); a
+    `BlockPlan` carries one and checks min_top_k against its top_k.
 
     pooling:      how a block's keys are pooled for its score, one of `POOLINGS`
     sink_blocks:  the first n blocks, always attended
@@ -58,20 +59,6 @@ class GateOptions:
         check_top_p(self.top_p)
         check_count("min_top_k", self.min_top_k, 1)
         check_budget_options(self.top_p, self.min_top_k)
-
-    def check_top_k(self, top_k: int) -> None:
-        """ValueError unless top_k is a count (named here: the comparison below needs one) and min_top_k <= top_k."""
-        check_count("top_k", top_k, 1)
-        if self.min_top_k > top_k:
-            raise ValueError(f"min_top_k must be between 1 and top_k ({top_k}), got {self.min_top_k}")
-
-    def reaches_back(self, top_k: int) -> bool:
-        """Whether some query may attend a block before its own (else each query sees its own block only)."""
-        return top_k > 1 or self.sink_blocks > 0 or self.local_blocks > 0
-
-    def as_kwargs(self) -> dict[str, object]:
-        """The public functions' keywords (`pooling=`, `sink_blocks=`, `local_blocks=`, `top_p=`, `min_top_k=`)."""
-        return dataclasses.asdict(self)
 
 
 DEFAULT_GATE = GateOptions()  # the paper's gate: mean pooling, no forced blocks
@@ -176,7 +163,6 @@ def choose_blocks(
     these arguments, when the caller keeps them (a decode step's are the same for a whole block of steps; current
     may then be None). head_dim: the queries' head dimension, the softmax temperature of `gate.top_p`.
     """
-    gate.check_top_k(top_k)
     forced, excluded = block_masks(current, n_blocks, gate) if masks is None else masks
     selected = forced.expand(*batch_heads, *forced.shape[-2:])
     n_pick = min(top_k - 1, n_blocks)

@@ -23,10 +23,11 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from .checks import check_moba_args, effective_block_size, gate_dtype, num_blocks
+from .checks import check_count, check_shapes, effective_block_size, gate_dtype, num_blocks
 from .dense import attention_with_lse, attention_with_lse_backward, fused_available, fused_if, merge_lse_
 from .nonfinite import all_finite, has_nonfinite, propagate_moba_nonfinite
-from .selection import GateOptions, selection_slices, without_own_block
+from .plan import BlockPlan, check_call
+from .selection import selection_slices, without_own_block
 from .workers import run_all, worker_count
 
 # working-set bounds: small enough to keep memory ~ N * top_k * block_size, big enough for efficient kernels
@@ -407,10 +408,9 @@ def _backward(do, q, k, v, out, lse, plan: _Plan, block_size: int, scale: float,
                 acc.unflatten(2, (-1, tile)).add_(_untile(grad, acc.shape[0]))
             for t0 in range(tile, bs, tile):
                 rows, keys = slice(t0, t0 + tile), slice(0, t0)
-                gq, gk, gv = attention_with_lse_backward(
-                    dob[:, :, rows], qb[:, :, rows], kb[:, :, keys], vb[:, :, keys], ob[:, :, rows], lb[:, :, rows],
-                    None, scale,
-                )  # fmt: skip
+                later = (t[:, :, rows] for t in (dob, qb))
+                earlier = (t[:, :, keys] for t in (kb, vb))
+                gq, gk, gv = attention_with_lse_backward(*later, *earlier, ob[:, :, rows], lb[:, :, rows], None, scale)
                 dqb[:, :, rows].add_(gq)
                 dkb[:, :, keys].add_(gk)
                 dvb[:, :, keys].add_(gv)
@@ -463,7 +463,7 @@ def _prefix(t: torch.Tensor, queries_end: int, nq: int) -> torch.Tensor:
 
 class _MobaTorch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, parts, block_size, top_k, gate, scale):
+    def forward(ctx, q, k, v, parts, block_size, moba, scale):
         dtype = gate_dtype(q.dtype)
         nq = q.shape[2]
 
@@ -473,11 +473,11 @@ class _MobaTorch(torch.autograd.Function):
         def run(index: int, first: int, end: int) -> _Plan:
             qp, kp, vp = q[:, :, first:end], _prefix(k, end, nq), _prefix(v, end, nq)
             earlier = None
-            if gate.reaches_back(top_k):
+            if moba.reaches_back():
                 nb = num_blocks(kp.shape[2], block_size)
                 per = max(1, _GATE_ELEMENTS * (1 if q.device.type == "cpu" else _GPU_SCALE) // (b * hq * nb))
                 slices = selection_slices(
-                    qp, kp, block_size=block_size, top_k=top_k, gate=gate, slice_rows=per, trim=True
+                    qp, kp, block_size=block_size, top_k=moba.top_k, gate=moba.gate, slice_rows=per, trim=True
                 )
                 earlier = ((a, gated) for a, _, gated in slices)
             plan = _Plan(qp, kp, block_size, earlier)
@@ -515,40 +515,26 @@ class _MobaTorch(torch.autograd.Function):
             for _, gk, gv in grads:
                 dk[:, :, : gk.shape[2]] += gk
                 dv[:, :, : gv.shape[2]] += gv
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def moba_attention_torch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    block_size: int,
-    top_k: int,
-    scale: float | None = None,
-    pooling: str = "mean",
-    sink_blocks: int = 0,
-    local_blocks: int = 0,
-    top_p: float | None = None,
-    min_top_k: int = 1,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, scale: float | None = None
 ) -> torch.Tensor:
     """MoBA attention (same contract as `moba_attention_reference`) without N x N tensors; autograd-capable.
 
     q: [B, Hq, Nq, D]; k, v: [B, Hkv, Nk, D]; returns [B, Hq, Nq, D] in q's dtype.
     """
-    gate = GateOptions(pooling, sink_blocks, local_blocks, top_p, min_top_k)
-    check_moba_args(q, k, v, block_size=block_size, top_k=top_k)
-    block_size = effective_block_size(block_size, k.shape[2])  # bounded by the sequence
+    check_call(q, k, v, plan)
+    block_size = effective_block_size(plan.block_size, k.shape[2])  # bounded by the sequence
     if has_nonfinite(q, v):
-        return propagate_moba_nonfinite(
-            moba_attention_torch, q, k, v, scale=scale, block_size=block_size, top_k=top_k, gate=gate
-        )
+        return propagate_moba_nonfinite(moba_attention_torch, q, k, v, plan, scale)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     # transformers hands over [B, N, H, D] transposed views; gathering rows of strided tensors is several times
     # slower than one copy (with block 64 it made an 8K forward 1.7x slower)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    parts = query_parts(q.shape[2], k.shape[2], block_size, worker_count(q.device), top_k)
-    return _MobaTorch.apply(q, k, v, parts, block_size, top_k, gate, scale)
+    parts = query_parts(q.shape[2], k.shape[2], block_size, worker_count(q.device), plan.top_k)
+    return _MobaTorch.apply(q, k, v, parts, block_size, plan, scale)
 
 
 @torch.no_grad()
@@ -576,7 +562,8 @@ def attention_with_query_variants(
     """
     if not 1 <= len(queries) <= 3 or any(t.shape != queries[0].shape for t in queries):
         raise ValueError(f"queries must be 1 to 3 tensors of one shape, got shapes {[tuple(t.shape) for t in queries]}")
-    check_moba_args(queries[0], k, v, block_size=block_size, top_k=1)
+    check_shapes(queries[0], k, v)
+    check_count("block_size", block_size, 1)
     if variant_chunk < 1 or variant_chunk % block_size:
         raise ValueError(f"variant_chunk must be a positive multiple of block_size ({block_size}), got {variant_chunk}")
     expected = (*queries[0].shape[:3], num_blocks(k.shape[2], block_size))

@@ -24,8 +24,9 @@ import contextlib
 
 import torch
 
-from .checks import check_moba_args, cuda_or_triton_interpreter, effective_block_size, gate_dtype, num_blocks
+from .checks import cuda_or_triton_interpreter, effective_block_size, gate_dtype, num_blocks
 from .nonfinite import route_nonfinite
+from .plan import BlockPlan, check_call
 from .selection import GateOptions, selection_slices
 
 try:
@@ -48,11 +49,62 @@ def _mm(a, b, FMA: tl.constexpr):
     return c
 
 
+# what a program of `_moba_kernel` computes for its tile of pairs
+_PAIR_LSE = tl.constexpr(0)  # each pair's log-sum-exp, into OUT [B * Hkv, pairs]
+_FORWARD = tl.constexpr(1)  # the pairs' share of the output, P @ V, added into OUT [B, Hq, Nq, D]
+_BACKWARD = tl.constexpr(2)  # dq added into OUT, dk / dv into DK / DV
+
+
 @triton.jit
-def _load_rows(ROWS, Q, sq_b, sq_h, sq_n, seg, start, end, pairs, n_q, n_k, n_blocks, group, n_kv_heads,
-               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
-    """Decode a tile of pairs: batch, kv head, block, query heads, query positions, and the q tile itself."""
-    bhk = seg // n_blocks  # segment = (batch * n_kv_heads + kv head) * n_blocks + block
+def _moba_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    OUT,
+    DK,
+    DV,
+    ROWS,
+    TILE_SEG,
+    TILE_START,
+    TILE_END,
+    sq_b,
+    sq_h,
+    sq_n,
+    sk_b,
+    sk_h,
+    sk_n,
+    sv_b,
+    sv_h,
+    sv_n,
+    sd_b,
+    sd_h,
+    sd_n,
+    n_q,
+    n_k,
+    n_blocks,
+    group,
+    n_kv_heads,
+    n_heads,
+    pairs,
+    block_size,
+    scale,
+    STAGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ACC: tl.constexpr,
+    FMA: tl.constexpr,
+):
+    """One tile of pairs (BLOCK_M rows of one segment against its block's keys) at one `STAGE`."""
+    t = tl.program_id(0)
+    seg = tl.load(TILE_SEG + t).to(tl.int64)  # segment = (batch * n_kv_heads + kv head) * n_blocks + block
+    start = tl.load(TILE_START + t)
+    end = tl.load(TILE_END + t)
+    bhk = seg // n_blocks
     j = seg % n_blocks
     b = bhk // n_kv_heads
     hk = bhk % n_kv_heads
@@ -61,126 +113,58 @@ def _load_rows(ROWS, Q, sq_b, sq_h, sq_n, seg, start, end, pairs, n_q, n_k, n_bl
     row = tl.load(ROWS + bhk * pairs + idx, mask=ok, other=0).to(tl.int64)
     q_idx = row % n_q
     h = hk * group + row // n_q
+    q_pos = q_idx + (n_k - n_q)
+    row_flat = (b * n_heads + h) * n_q + q_idx  # the row in [B, Hq, Nq]
     dims = tl.arange(0, D_PAD)
     mask = ok[:, None] & (dims < HEAD_DIM)[None, :]  # head_dim padded to a power of two: pad lanes read 0
     q = tl.load(Q + b * sq_b + h[:, None] * sq_h + q_idx[:, None] * sq_n + dims[None, :], mask=mask, other=0.0)
-    return b, hk, j, h, q_idx, ok, mask, q, q_idx + (n_k - n_q)
-
-
-@triton.jit
-def _pair_lse_kernel(
-    Q, K, ROWS, TILE_SEG, TILE_START, TILE_END, PAIR_LSE,
-    sq_b, sq_h, sq_n, sk_b, sk_h, sk_n,
-    n_q, n_k, n_blocks, group, n_kv_heads, pairs, block_size, scale,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr,
-    FMA: tl.constexpr,
-):  # fmt: skip
-    t = tl.program_id(0)
-    seg = tl.load(TILE_SEG + t).to(tl.int64)
-    start = tl.load(TILE_START + t)
-    end = tl.load(TILE_END + t)
-    b, hk, j, h, q_idx, ok, mask, q, q_pos = _load_rows(
-        ROWS, Q, sq_b, sq_h, sq_n, seg, start, end, pairs, n_q, n_k, n_blocks, group, n_kv_heads,
-        HEAD_DIM, D_PAD, BLOCK_M,
-    )  # fmt: skip
-    dims = tl.arange(0, D_PAD)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
-    l_i = tl.zeros([BLOCK_M], dtype=ACC)
-    lo = j * block_size
-    hi = tl.minimum(lo + block_size, tl.max(tl.where(ok, q_pos, 0)) + 1)  # no row sees past its own position
-    for s0 in range(lo, hi, BLOCK_N):
-        cols = s0 + tl.arange(0, BLOCK_N).to(tl.int64)
-        k = tl.load(K + b * sk_b + hk * sk_h + cols[:, None] * sk_n + dims[None, :],
-                    mask=(cols < hi)[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)  # fmt: skip
-        s = _mm(q, tl.trans(k), FMA).to(ACC) * scale
-        s = tl.where(ok[:, None] & (cols < hi)[None, :] & (cols[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # a row that has seen nothing yet keeps m = -inf; shift by 0 then so exp() gives 0, not NaN
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
-        m_i = m_new
-    # every pair sees >= 1 key (an earlier block entirely, its own block up to the query), so l > 0 on real rows
-    lse = m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i))
-    tl.store(PAIR_LSE + (seg // n_blocks) * pairs + start + tl.arange(0, BLOCK_M), lse, mask=ok)
-
-
-@triton.jit
-def _fwd_kernel(
-    Q, K, V, LSE, OUT, ROWS, TILE_SEG, TILE_START, TILE_END,
-    sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
-    n_q, n_k, n_blocks, group, n_kv_heads, n_heads, pairs, block_size, scale,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr,
-    FMA: tl.constexpr,
-):  # fmt: skip
-    t = tl.program_id(0)
-    seg = tl.load(TILE_SEG + t).to(tl.int64)
-    start = tl.load(TILE_START + t)
-    end = tl.load(TILE_END + t)
-    b, hk, j, h, q_idx, ok, mask, q, q_pos = _load_rows(
-        ROWS, Q, sq_b, sq_h, sq_n, seg, start, end, pairs, n_q, n_k, n_blocks, group, n_kv_heads,
-        HEAD_DIM, D_PAD, BLOCK_M,
-    )  # fmt: skip
-    dims = tl.arange(0, D_PAD)
-    row_flat = (b * n_heads + h) * n_q + q_idx  # the row in [B, Hq, Nq]
-    lse = tl.load(LSE + row_flat, mask=ok, other=0.0)
-    acc = tl.zeros([BLOCK_M, D_PAD], dtype=ACC)
+    if STAGE == _PAIR_LSE:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
+        l_i = tl.zeros([BLOCK_M], dtype=ACC)
+    else:
+        lse = tl.load(LSE + row_flat, mask=ok, other=0.0)
+        acc = tl.zeros([BLOCK_M, D_PAD], dtype=ACC)  # the output, or dq
+    if STAGE == _BACKWARD:
+        do = tl.load(DO + b * sd_b + h[:, None] * sd_h + q_idx[:, None] * sd_n + dims[None, :], mask=mask, other=0.0)
+        delta = tl.load(DELTA + row_flat, mask=ok, other=0.0)
+        kv_base = (b * n_kv_heads + hk) * n_k  # dk / dv are contiguous [B, Hkv, Nk, D] accumulation buffers
     lo = j * block_size
     hi = tl.minimum(lo + block_size, tl.max(tl.where(ok, q_pos, 0)) + 1)  # no row sees past its own position
     for s0 in range(lo, hi, BLOCK_N):
         cols = s0 + tl.arange(0, BLOCK_N).to(tl.int64)
         kv_mask = (cols < hi)[:, None] & (dims < HEAD_DIM)[None, :]
         k = tl.load(K + b * sk_b + hk * sk_h + cols[:, None] * sk_n + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + b * sv_b + hk * sv_h + cols[:, None] * sv_n + dims[None, :], mask=kv_mask, other=0.0)
         s = _mm(q, tl.trans(k), FMA).to(ACC) * scale
         visible = ok[:, None] & (cols < hi)[None, :] & (cols[None, :] <= q_pos[:, None])
-        # the row's final normaliser is known, so this block's share of the softmax is final too
-        p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
-        acc += _mm(p.to(v.dtype), v, FMA).to(ACC)
-    tl.atomic_add(OUT + row_flat[:, None] * HEAD_DIM + dims[None, :], acc, mask=mask)
-
-
-@triton.jit
-def _bwd_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, DK, DV, ROWS, TILE_SEG, TILE_START, TILE_END,
-    sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sd_b, sd_h, sd_n,
-    n_q, n_k, n_blocks, group, n_kv_heads, n_heads, pairs, block_size, scale,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr,
-    FMA: tl.constexpr,
-):  # fmt: skip
-    t = tl.program_id(0)
-    seg = tl.load(TILE_SEG + t).to(tl.int64)
-    start = tl.load(TILE_START + t)
-    end = tl.load(TILE_END + t)
-    b, hk, j, h, q_idx, ok, mask, q, q_pos = _load_rows(
-        ROWS, Q, sq_b, sq_h, sq_n, seg, start, end, pairs, n_q, n_k, n_blocks, group, n_kv_heads,
-        HEAD_DIM, D_PAD, BLOCK_M,
-    )  # fmt: skip
-    dims = tl.arange(0, D_PAD)
-    row_flat = (b * n_heads + h) * n_q + q_idx
-    do = tl.load(DO + b * sd_b + h[:, None] * sd_h + q_idx[:, None] * sd_n + dims[None, :], mask=mask, other=0.0)
-    lse = tl.load(LSE + row_flat, mask=ok, other=0.0)
-    delta = tl.load(DELTA + row_flat, mask=ok, other=0.0)
-    dq = tl.zeros([BLOCK_M, D_PAD], dtype=ACC)
-    kv_base = (b * n_kv_heads + hk) * n_k  # dk / dv are contiguous [B, Hkv, Nk, D] accumulation buffers
-    lo = j * block_size
-    hi = tl.minimum(lo + block_size, tl.max(tl.where(ok, q_pos, 0)) + 1)  # no row sees past its own position
-    for s0 in range(lo, hi, BLOCK_N):
-        cols = s0 + tl.arange(0, BLOCK_N).to(tl.int64)
-        kv_mask = (cols < hi)[:, None] & (dims < HEAD_DIM)[None, :]
-        k = tl.load(K + b * sk_b + hk * sk_h + cols[:, None] * sk_n + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + b * sv_b + hk * sv_h + cols[:, None] * sv_n + dims[None, :], mask=kv_mask, other=0.0)
-        s = _mm(q, tl.trans(k), FMA).to(ACC) * scale
-        visible = ok[:, None] & (cols < hi)[None, :] & (cols[None, :] <= q_pos[:, None])
-        p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
-        dp = _mm(do, tl.trans(v), FMA).to(ACC)
-        ds = p * (dp - delta[:, None])
-        dq += _mm(ds.to(k.dtype), k, FMA).to(ACC)
-        dkv = (kv_base + cols)[:, None] * HEAD_DIM + dims[None, :]
-        # several tiles (other rows of this block, other heads of the group) add into the same keys
-        tl.atomic_add(DV + dkv, _mm(tl.trans(p.to(do.dtype)), do, FMA).to(ACC), mask=kv_mask)
-        dk_part = _mm(tl.trans(ds.to(q.dtype)), q, FMA).to(ACC) * scale
-        tl.atomic_add(DK + dkv, dk_part, mask=kv_mask)
-    tl.atomic_add(DQ + row_flat[:, None] * HEAD_DIM + dims[None, :], dq * scale, mask=mask)
+        if STAGE == _PAIR_LSE:
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # a row that has seen nothing yet keeps m = -inf; shift by 0 then so exp() gives 0, not NaN
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
+            m_i = m_new
+        else:
+            v = tl.load(V + b * sv_b + hk * sv_h + cols[:, None] * sv_n + dims[None, :], mask=kv_mask, other=0.0)
+            # the row's final normaliser is known, so this block's share of the softmax is final too
+            p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
+            if STAGE == _FORWARD:
+                acc += _mm(p.to(v.dtype), v, FMA).to(ACC)
+            else:
+                ds = p * (_mm(do, tl.trans(v), FMA).to(ACC) - delta[:, None])
+                acc += _mm(ds.to(k.dtype), k, FMA).to(ACC)
+                dkv = (kv_base + cols)[:, None] * HEAD_DIM + dims[None, :]
+                # several tiles (other rows of this block, other heads of the group) add into the same keys
+                tl.atomic_add(DV + dkv, _mm(tl.trans(p.to(do.dtype)), do, FMA).to(ACC), mask=kv_mask)
+                dk_part = _mm(tl.trans(ds.to(q.dtype)), q, FMA).to(ACC) * scale
+                tl.atomic_add(DK + dkv, dk_part, mask=kv_mask)
+    if STAGE == _PAIR_LSE:
+        # every pair sees >= 1 key (an earlier block entirely, its own block up to the query), so l > 0 on real rows
+        lse = m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i))
+        tl.store(OUT + bhk * pairs + start + tl.arange(0, BLOCK_M), lse, mask=ok)
+    else:
+        if STAGE == _BACKWARD:
+            acc = acc * scale
+        tl.atomic_add(OUT + row_flat[:, None] * HEAD_DIM + dims[None, :], acc, mask=mask)
 
 
 def _slot_lists(q, k, *, block_size: int, top_k: int, gate: GateOptions) -> torch.Tensor:
@@ -251,40 +235,35 @@ def _block_m(q: torch.Tensor) -> int:
     return 16 if _fma(q) else _BLOCK_M
 
 
-def _meta(q: torch.Tensor, block_size: int) -> dict:
-    d = q.shape[-1]
+def _run(stage: tl.constexpr, q, k, v, do, lse, delta, out, dk, dv, plan: _Plan, block_size: int, scale: float) -> None:
+    """`_moba_kernel` at `stage` over every tile of `plan` (stages that read no do / lse / delta / dk / dv are given
+    any tensor there)."""
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
+    sizes = (nq, nk, num_blocks(nk, block_size), hq // hkv, hkv, hq, plan.pairs, block_size, scale)
     # key tiles no longer than a block (short blocks waste no lanes) but >= 16 for tl.dot
     block_n = 16 if _fma(q) else max(16, min(64, triton.next_power_of_2(block_size)))
-    acc = tl.float64 if q.dtype == torch.float64 else tl.float32
-    return {"HEAD_DIM": d, "D_PAD": max(16, triton.next_power_of_2(d)), "BLOCK_M": _block_m(q), "BLOCK_N": block_n,
-            "ACC": acc, "FMA": _fma(q)}  # fmt: skip
+    meta = dict(HEAD_DIM=d, D_PAD=max(16, triton.next_power_of_2(d)), BLOCK_M=_block_m(q), BLOCK_N=block_n)
+    meta.update(ACC=tl.float64 if q.dtype == torch.float64 else tl.float32, FMA=_fma(q))
+    tensors = (q, k, v, do, lse, delta, out, dk, dv, *plan.tensors())
+    _moba_kernel[(plan.tile_seg.numel(),)](*tensors, *strides, *sizes, STAGE=stage.value, **meta)
 
 
 class _MobaTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: _Plan, block_size: int, scale: float):
         b, hq, nq, d = q.shape
-        hkv, nk = k.shape[1], k.shape[2]
+        hkv = k.shape[1]
         acc_dtype = gate_dtype(q.dtype)
-        nb = num_blocks(nk, block_size)
-        meta = _meta(q, block_size)
-        grid = (plan.tile_seg.numel(),)
-        common = (nq, nk, nb, hq // hkv, hkv)
-
         pair_lse = torch.full((b * hkv, plan.pairs), float("-inf"), dtype=acc_dtype, device=q.device)
-        _pair_lse_kernel[grid](
-            q, k, *plan.tensors(), pair_lse, *q.stride()[:3], *k.stride()[:3],
-            *common, plan.pairs, block_size, scale, **meta,
-        )  # fmt: skip
+        _run(_PAIR_LSE, q, k, v, q, pair_lse, pair_lse, pair_lse, k, v, plan, block_size, scale)
         # back to slot order, then each row's normaliser over its blocks
         by_slot = torch.full_like(pair_lse, float("-inf")).scatter_(1, plan.sort_order, pair_lse)
         plan.sort_order = None  # int64 per pair: not needed by the backward
         lse = torch.logsumexp(by_slot.view(b, hq, nq, plan.n_slots), dim=-1).contiguous()
         out = torch.zeros(b, hq, nq, d, dtype=acc_dtype, device=q.device)
-        _fwd_kernel[grid](
-            q, k, v, lse, out, *plan.tensors(), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-            *common, hq, plan.pairs, block_size, scale, **meta,
-        )  # fmt: skip
+        _run(_FORWARD, q, k, v, q, lse, lse, out, k, v, plan, block_size, scale)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.block_size, ctx.scale = plan, block_size, scale
@@ -293,56 +272,30 @@ class _MobaTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        plan = ctx.plan
-        b, hq, nq, d = q.shape
-        hkv, nk = k.shape[1], k.shape[2]
         acc_dtype = lse.dtype
         grad_out = _last_dim_contiguous(grad_out)
         # delta_i = sum_d dO * O: the row term of the softmax derivative, cheap enough outside the kernel
         delta = (grad_out.to(acc_dtype) * out.to(acc_dtype)).sum(dim=-1).contiguous()
-        dq = torch.zeros(b, hq, nq, d, dtype=acc_dtype, device=q.device)
-        dk = torch.zeros(b, hkv, nk, d, dtype=acc_dtype, device=q.device)
-        dv = torch.zeros(b, hkv, nk, d, dtype=acc_dtype, device=q.device)
-        nb = num_blocks(nk, ctx.block_size)
-        _bwd_kernel[(plan.tile_seg.numel(),)](
-            q, k, v, grad_out, lse, delta, dq, dk, dv, *plan.tensors(),
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
-            nq, nk, nb, hq // hkv, hkv, hq, plan.pairs, ctx.block_size, ctx.scale, **_meta(q, ctx.block_size),
-        )  # fmt: skip
+        dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc_dtype, device=q.device)
+        dv = torch.zeros(v.shape, dtype=acc_dtype, device=q.device)
+        _run(_BACKWARD, q, k, v, grad_out, lse, delta, dq, dk, dv, ctx.plan, ctx.block_size, ctx.scale)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def moba_attention_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    block_size: int,
-    top_k: int,
-    scale: float | None = None,
-    pooling: str = "mean",
-    sink_blocks: int = 0,
-    local_blocks: int = 0,
-    top_p: float | None = None,
-    min_top_k: int = 1,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, scale: float | None = None
 ) -> torch.Tensor:
-    """MoBA attention with Triton kernels; same contract as `moba_attention_reference`.
-
-    q: [B, Hq, Nq, D]; k, v: [B, Hkv, Nk, D] with Hq % Hkv == 0 and Nq <= Nk (queries are the last Nq
-    positions). Returns [B, Hq, Nq, D] in q's dtype; differentiable in q, k, v.
-    """
-    gate = GateOptions(pooling, sink_blocks, local_blocks, top_p, min_top_k)
-    check_moba_args(q, k, v, block_size=block_size, top_k=top_k)
-    block_size = effective_block_size(block_size, k.shape[2])  # bounded by the sequence
+    """MoBA attention with Triton kernels (the contract of `moba_attention_reference`); differentiable in q, k, v."""
+    check_call(q, k, v, plan)
+    block_size = effective_block_size(plan.block_size, k.shape[2])  # bounded by the sequence
     if not cuda_or_triton_interpreter(q):
         raise ValueError(f"backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), got device {q.device}")
-    guarded = route_nonfinite(
-        moba_attention_triton, q, k, v, scale=scale, block_size=block_size, top_k=top_k, gate=gate
-    )
+    guarded = route_nonfinite(moba_attention_triton, q, k, v, plan, scale)
     if guarded is not None:
         return guarded
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    slots = _slot_lists(q, k, block_size=block_size, top_k=top_k, gate=gate)
+    slots = _slot_lists(q, k, block_size=block_size, top_k=plan.top_k, gate=plan.gate)
     plan = _Plan(slots, k.shape[1], num_blocks(k.shape[2], block_size), _block_m(q))
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():

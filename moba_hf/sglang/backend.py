@@ -5,7 +5,7 @@ the layers a MobaConfig makes sparse: every sequence of an extend (a prompt, a c
 radix-cache hit) or a decode step goes to `core` over its own keys in the pool (`pool.moba_pool`)::
 
     layer dense (full_attn_layers / ids) or sparse = false  ->  SGLang's torch-native attention
-    otherwise, every sequence                               ->  core.path / core.attend over its pool slots
+    otherwise, every sequence                               ->  core.route / core.attend over its pool slots
     decode steps with decode = "moba"                       ->  core.decode over the pooled keys kept beside
                                                                 the pool (`pool.PoolGateKeys`, one table per
                                                                 sparse layer), reading the selected blocks only

@@ -134,7 +134,7 @@ def moba_pool(
             continue
         q = query[start:end].transpose(0, 1).unsqueeze(0)
         slots = req_to_token[row, :length]
-        route = core.path(config, nq, length, dense_layer=dense, dca=dca)
+        route = core.route(core.runs_dense(config, nq, dense), length, dca)
         if gate_keys is not None:
             gate_keys.update(k_buffer, slots, length - nq)
             if nq == 1 and route == "moba" and dca is None:

@@ -186,7 +186,7 @@ def moba_paged(
         if nq == 0 or i in skip:
             continue
         q = query[start:end].transpose(0, 1).unsqueeze(0)
-        route = core.path(config, nq, length, dense_layer=dense, dca=dca)
+        route = core.route(core.runs_dense(config, nq, dense), length, dca)
         if gate_keys is not None and is_decode(nq) and route == "moba" and dca is None:
             pages = block_table[i].long()
             cache = PagedCache(key_cache, value_cache, pages, length)
