@@ -349,8 +349,10 @@ def _one_query(q, k, v, block_keys, start, block_size, top_k, scale, gate, retur
     pattern = _csr(crow, cols.view(-1), _zeros(r * nnz, q.dtype, q.device), keys.shape[0])
     scores = torch.sparse.sampled_addmm(pattern, q.reshape(r, d), keys.t(), beta=0.0, alpha=scale)
     probs = scores.values().view(r, nnz).softmax(dim=-1)
-    # every listed key is attended: a NaN / inf value reaches exactly the rows that attend it, as in the rule
-    out = F.embedding_bag(cols, values, per_sample_weights=probs, mode="sum").view(b, hq, 1, d)
+    # every listed key is attended: a NaN / inf value reaches exactly the rows that attend it, as in the rule.
+    # (torch.embedding_bag, not F.embedding_bag: the bags' offsets are crow, not a new arange of the same)
+    out = torch.embedding_bag(values, cols.view(-1), crow, False, 0, False, probs.view(-1), True)[0]
+    out = out.view(b, hq, 1, d)
     if not return_selection:
         return out
     selected = torch.zeros(r, nb, dtype=torch.bool, device=q.device)
