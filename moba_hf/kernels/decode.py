@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from .checks import check_inputs, check_moba_args, gate_dtype, needs_grad
 from .nonfinite import masked_matmul
 from .pooling import gate_queries, gate_width, pooled_keys
-from .selection import _MAX_PASS_PICKS, GateOptions, block_masks, choose_blocks
+from .selection import MAX_PASS_PICKS, GateOptions, block_masks, choose_blocks
 from .workers import run_single_threaded
 
 # `block_masks` of rows of one length, by (blocks, queries, position, block size, sink, local, device): a decode
@@ -262,18 +262,18 @@ def moba_decode_cache(
 def _decode(q, cache, block_keys, block_size, top_k, scale, gate, starts, return_selection):
     nk = cache.shape[2]
     scale = q.shape[3] ** -0.5 if scale is None else scale
+    # one query (a step of `generate`), rows that start together, the fixed budget, read in place: the short path
+    one_query = q.shape[2] == 1 and (gate.top_p is None or gate.top_p >= 1) and isinstance(cache, DenseCache)
+    start = _common_start(starts) if one_query and _reads_in_place(q, cache) else None
+    if start is not None:
+        _check_block_count(block_keys, nk - start, block_size)
+        return _one_query(q, cache.k, cache.v, block_keys, start, block_size, top_k, scale, gate, return_selection)
     if starts is None:  # rows of one length: index arithmetic on Python ints, a few ops fewer per step
         lengths = longest = nk
     else:
         starts = starts.to(device=q.device, dtype=torch.long)
         lengths, longest = nk - starts, nk - int(starts.min())
-    needed = -(-longest // block_size)
-    if block_keys.shape[2] < needed:
-        raise ValueError(f"block_keys has {block_keys.shape[2]} blocks, the sequences need {needed}")
-    if q.shape[2] == 1 and (gate.top_p is None or gate.top_p >= 1) and isinstance(cache, DenseCache):
-        start = _common_start(starts)
-        if start is not None and _reads_in_place(q, cache):
-            return _one_query(q, cache.k, cache.v, block_keys, start, block_size, top_k, scale, gate, return_selection)
+    needed = _check_block_count(block_keys, longest, block_size)
     selected = decode_selection(
         q, block_keys[:, :, :needed], lengths, block_size=block_size, top_k=top_k, gate=gate
     )  # [B, Hq, Nq, nb]
@@ -284,6 +284,14 @@ def _decode(q, cache, block_keys, block_size, top_k, scale, gate, starts, return
     else:
         out = _attend_windows(q, cache, selected, starts, block_size, scale)
     return (out, selected) if return_selection else out
+
+
+def _check_block_count(block_keys: torch.Tensor, longest: int, block_size: int) -> int:
+    """The blocks of the longest row's sequence; ValueError if block_keys holds fewer."""
+    needed = -(-longest // block_size)
+    if block_keys.shape[2] < needed:
+        raise ValueError(f"block_keys has {block_keys.shape[2]} blocks, the sequences need {needed}")
+    return needed
 
 
 def _common_start(starts: torch.Tensor | None) -> int | None:
@@ -311,7 +319,25 @@ def _common_start(starts: torch.Tensor | None) -> int | None:
 def _one_query(q, k, v, block_keys, start, block_size, top_k, scale, gate, return_selection):
     """`_decode` of one query per row, every row's sequence at cache positions start .. Nk - 1, fixed budget, on the
     in-place path (CPU float32 / float64, contiguous cache, no autograd). Returns [B, Hq, 1, D] (and the selection
-    [B, Hq, 1, n_blocks] if `return_selection`)."""
+    [B, Hq, 1, n_blocks] if `return_selection`).
+
+    Its ops run on this thread alone: a step is a fraction of a millisecond, split over threads it saves a few tens
+    of microseconds, and each split op waits for its slowest thread, which on a loaded machine is a scheduler
+    time slice (milliseconds). The setting is this thread's own (OpenMP), restored after the step."""
+    threads = torch.get_num_threads()
+    if threads == 1 or not _ONE_THREAD:
+        return _one_query_here(q, k, v, block_keys, start, block_size, top_k, scale, gate, return_selection)
+    torch.set_num_threads(1)
+    try:
+        return _one_query_here(q, k, v, block_keys, start, block_size, top_k, scale, gate, return_selection)
+    finally:
+        torch.set_num_threads(threads)
+
+
+_ONE_THREAD = True
+
+
+def _one_query_here(q, k, v, block_keys, start, block_size, top_k, scale, gate, return_selection):
     b, hq, _, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     n = nk - start
@@ -355,11 +381,14 @@ def _one_query(q, k, v, block_keys, start, block_size, top_k, scale, gate, retur
     out = out.view(b, hq, 1, d)
     if not return_selection:
         return out
-    selected = torch.zeros(r, nb, dtype=torch.bool, device=q.device)
-    selected[:, :lo] = True
-    selected[:, hi:] = True
-    selected.scatter_(1, picks + lo, True)
-    return out, selected.view(b, hq, 1, nb)
+    forced_blocks = _cached(("forced", r, nb, lo, hi, q.device), lambda: _forced_blocks(r, nb, lo, hi, q.device))
+    return out, forced_blocks.clone().scatter_(1, picks + lo, True).view(b, hq, 1, nb)
+
+
+def _forced_blocks(r: int, nb: int, lo: int, hi: int, device: torch.device) -> torch.Tensor:
+    """bool [R, nb]: the blocks before lo and from hi on (sink, local and own blocks)."""
+    blocks = torch.arange(nb, device=device)
+    return ((blocks < lo) | (blocks >= hi)).expand(r, nb)
 
 
 def _dense_one_query(q, k, v, scale):
@@ -377,7 +406,7 @@ def _gated_picks(scores: torch.Tensor, lo: int, hi: int, n_pick: int) -> torch.T
     """The n_pick best candidates (blocks lo .. hi - 1, more than n_pick of them) by scores [R, nb], as
     `choose_blocks` picks them: block indices minus lo [R, n_pick]. Overwrites scores."""
     candidates = scores[:, lo:hi].clamp_(min=torch.finfo(scores.dtype).min)  # a -inf candidate ranks last
-    if n_pick <= _MAX_PASS_PICKS:
+    if n_pick <= MAX_PASS_PICKS:
         # choose_blocks' max passes take the largest left, the first of equal ones, a NaN before any number: the
         # head of a stable descending sort, in one op
         return candidates.sort(dim=-1, descending=True, stable=True).indices[:, :n_pick]
