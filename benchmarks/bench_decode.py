@@ -1,8 +1,9 @@
 """Decode speed: MoBA's sparse decode step vs SDPA's dense step, for the attention op and for whole-model `generate`.
 
-    .venv/bin/python benchmarks/bench_decode.py                          # op and SmolLM2 at 8K and 16K
+    .venv/bin/python benchmarks/bench_decode.py                          # op 2K..128K, SmolLM2 at 8K and 16K
     .venv/bin/python benchmarks/bench_decode.py --model-contexts         # op only
     .venv/bin/python benchmarks/bench_decode.py --loads idle             # without the busy run
+    .venv/bin/python benchmarks/bench_decode.py --threads 1              # op rows at one thread only
 
 `decode = "moba"` attends MoBA's blocks at every decode step, whatever the cache length; this script times that step.
 Every setting is checked first, then timed idle (nothing added; other jobs on a shared machine still run) and busy
@@ -14,8 +15,11 @@ densely); at model level its layers 0 and 1 are dense).
 
 Op: one decode step of one layer with SmolLM2's heads (B=1, Hq=9, Hkv=3, D=64, float32). MoBA = append the new key
 to the layer's block state + its pooled keys + `decode_plan` (gate + the selected blocks), what decode="moba" runs
-per layer; SDPA = `F.scaled_dot_product_attention` over the whole cache. Checked against `moba_attention_reference`
-(and SDPA against dense attention) before timing.
+per layer; SDPA = `F.scaled_dot_product_attention` over the whole cache (the same contiguous float32 tensors).
+Checked against `moba_attention_reference` (and SDPA against dense attention) before timing. Timed at each
+`--threads` setting ("default": torch's own choice on this machine; a number: torch.set_num_threads), idle and busy.
+Each op row prints the read limit beside its ratios: context / the keys a step reads at most ((top_k + sink_blocks +
+local_blocks) blocks), the speed-up of a step whose cost is only its reads (e.g. 16K / 1,536 keys = 10.7x).
 
 Model: SmolLM2-135M (30 layers), greedy `generate` of --new-tokens tokens after a context of N tokens, --rounds
 times per setting and load, alternating MoBA and SDPA. The KV cache is filled synthetically (random keys/values at
@@ -95,6 +99,26 @@ def timed_pair(first, second, repeats: int, warmup: int = 3) -> tuple[list[float
 
 
 # --- op level -----------------------------------------------------------------------------------------------------
+def read_limit(moba: MobaConfig, context: int) -> float:
+    """context / the most keys a decode step reads (its own block, top_k - 1 gated, the sink and local blocks)."""
+    blocks = moba.top_k + moba.sink_blocks + moba.local_blocks
+    return context / min(context, blocks * moba.block_size)
+
+
+def thread_settings(names: list[str]) -> list[tuple[str, int]]:
+    """--threads values as (label, thread count): "default" is torch's choice at start-up."""
+    default = torch.get_num_threads()
+    out = []
+    for name in names:
+        if name == "default":
+            out.append((f"{default} (default)", default))
+        elif name.isdigit() and int(name) >= 1:
+            out.append((name, int(name)))
+        else:
+            raise SystemExit(f"--threads takes 'default' or thread counts >= 1, got {name!r}")
+    return out
+
+
 class OpCase:
     """One layer's decode step over a cache of `context` keys, checked against the reference."""
 
@@ -224,7 +248,7 @@ def setting_fields(name: str, moba: MobaConfig) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--op-contexts", type=int, nargs="*", default=[8192, 16384])
+    parser.add_argument("--op-contexts", type=int, nargs="*", default=[2048, 4096, 8192, 16384, 32768, 131072])
     parser.add_argument("--model-contexts", type=int, nargs="*", default=[8192, 16384])
     parser.add_argument("--settings", nargs="+", default=["default", "training-free"])
     parser.add_argument("--loads", nargs="+", choices=["idle", "busy"], default=["idle", "busy"])
@@ -234,11 +258,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating MoBA / SDPA generate calls")
     parser.add_argument("--block-size", type=int, default=512, help='the "default" setting\'s block size')
     parser.add_argument("--top-k", type=int, default=3, help='the "default" setting\'s top_k')
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument(
+        "--threads", nargs="+", default=["default", "1"],
+        help="torch thread settings the op rows are timed at: 'default' (torch's choice) or counts; the model rows run "
+        "at the first",
+    )  # fmt: skip
     parser.add_argument("--csv", type=Path, default=ROOT / "benchmarks" / "decode.csv")
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = thread_settings(args.threads)
+    torch.set_num_threads(threads[0][1])  # the model rows' setting, which the "device" field reports
     torch.manual_seed(0)
     settings = {name: setting(name, args.block_size, args.top_k) for name in args.settings}
     command = " ".join(["python", *sys.argv])
@@ -251,15 +279,19 @@ def main(argv: list[str] | None = None) -> None:
         for context in args.op_contexts:
             cases[name, context] = case = OpCase(moba, context)
             print(f"check op {name} {context}: max abs error vs reference {case.error:.1e} -> ok", flush=True)
-    for load_name in args.loads:
-        with busy(args.busy if load_name == "busy" else 0):
-            for (name, context), case in cases.items():
-                t_moba, t_sdpa = timed_pair(case.moba, case.sdpa, args.repeats)
-                rows.append(
-                    {"bench": "op", **setting_fields(name, settings[name]), "context": context, "load": load_name,
-                     **timing_fields(t_moba, t_sdpa), "check": f"{case.error:.1e}"}
-                )  # fmt: skip
-                print(rows[-1], flush=True)
+    for label, n_threads in threads:
+        torch.set_num_threads(n_threads)
+        for load_name in args.loads:
+            with busy(args.busy if load_name == "busy" else 0):
+                for (name, context), case in cases.items():
+                    t_moba, t_sdpa = timed_pair(case.moba, case.sdpa, args.repeats)
+                    rows.append(
+                        {"bench": "op", **setting_fields(name, settings[name]), "context": context,
+                         "threads": label, "load": load_name, **timing_fields(t_moba, t_sdpa),
+                         "read_limit": round(read_limit(settings[name], context), 2), "check": f"{case.error:.1e}"}
+                    )  # fmt: skip
+                    print(rows[-1], flush=True)
+    torch.set_num_threads(threads[0][1])
 
     if args.model_contexts:
         import moba_hf
@@ -288,12 +320,17 @@ def main(argv: list[str] | None = None) -> None:
     rows = [{**row, **common} for row in rows]
     append_rows(args.csv, rows)  # earlier runs' rows stay, each with its date and command
     print(f"\n{common}")
-    print("| bench | setting | context | load | MoBA min / median ms | SDPA min / median ms | best | median |")
+    print(
+        "| bench | setting | context | threads | load | MoBA min / median ms | SDPA min / median ms | best | median "
+        "| read limit | median / limit |"
+    )
     for row in rows:
+        limit = row.get("read_limit")
+        beside = f"{limit:.1f}x | {row['speedup_median'] / limit:.0%}" if limit else "- | -"
         print(
-            f"| {row['bench']} | {row['setting']} | {row['context']} | {row['load']} "
+            f"| {row['bench']} | {row['setting']} | {row['context']} | {row.get('threads', '-')} | {row['load']} "
             f"| {row['moba_min_ms']:.2f} / {row['moba_median_ms']:.2f} | {row['sdpa_min_ms']:.2f} / "
-            f"{row['sdpa_median_ms']:.2f} | {row['speedup_best']:.2f}x | {row['speedup_median']:.2f}x |"
+            f"{row['sdpa_median_ms']:.2f} | {row['speedup_best']:.2f}x | {row['speedup_median']:.2f}x | {beside} |"
         )
     print(f"wrote {args.csv}")
 

@@ -69,14 +69,25 @@ def test_bench_decode_op_checks_then_times_idle_and_busy(tmp_path):
     out = tmp_path / "decode.csv"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--op-contexts", "128", "300"]
     cmd += ["--model-contexts", "--repeats", "2", "--block-size", "64", "--top-k", "2", "--csv", str(out)]
+    cmd += ["--threads", "default", "1"]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "check op default 300: max abs error vs reference" in res.stdout and "-> ok" in res.stdout
     rows = list(csv.DictReader(out.open()))
-    cases = [(r["setting"], r["context"], r["load"]) for r in rows]
+    cases = [(r["threads"], r["setting"], r["context"], r["load"]) for r in rows]
     settings = ("default", "training-free")
-    assert cases == [(s, c, load) for load in ("idle", "busy") for s in settings for c in ("128", "300")]
+    default = rows[0]["threads"]  # torch's own choice, labelled
+    assert default.endswith(" (default)")
+    want = [
+        (t, s, c, load) for t in (default, "1") for load in ("idle", "busy") for s in settings for c in ("128", "300")
+    ]
+    assert cases == want
     assert all(float(r["moba_min_ms"]) > 0 and float(r["speedup_best"]) > 0 and r["date"] and r["torch"] for r in rows)
+    # read limit: 300 keys / (2 blocks of 64) for the default setting; 128 keys / all of them (5 + 1 + 1 blocks of 64)
+    limits = {(r["setting"], r["context"]): float(r["read_limit"]) for r in rows}
+    assert limits[("default", "300")] == round(300 / 128, 2) and limits[("training-free", "128")] == 1.0
+    bad = subprocess.run([*cmd[:2], "--threads", "0", "--model-contexts"], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode != 0 and "--threads takes 'default' or thread counts >= 1, got '0'" in bad.stderr
 
 
 def test_tail_selection_probe_checks_its_kernel_first():

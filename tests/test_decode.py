@@ -42,7 +42,9 @@ KERNEL_CASES = [
     (2, 4, 2, 129, 1, 8, 32, 1, "mean", 0, 0),  # top_k = 1, a last block of one key
     (2, 12, 4, 77, 8, 8, 8, 3, "mean", 0, 0),  # DECODE_MAX_QUERIES queries crossing a block boundary
 ]
-PATHS = ["in_place", "windows"]  # `_attend_in_place` (CPU float32 / float64) and `_attend_windows` (the rest)
+# `_attend_in_place` (CPU float32 / float64), `_attend_windows` (the rest) and `_one_query` (CPU float32 / float64,
+# one query, rows that start together: a step of `generate`)
+PATHS = ["in_place", "windows"]
 
 
 def _case_id(c):
@@ -55,8 +57,10 @@ def force_path(monkeypatch, path: str) -> list[str]:
     from moba_hf.kernels import decode as decode_kernels
 
     taken = []
-    monkeypatch.setattr(decode_kernels, "_reads_in_place", lambda q, cache: path == "in_place")
-    for name in ("_attend_in_place", "_attend_windows"):
+    monkeypatch.setattr(decode_kernels, "_reads_in_place", lambda q, cache: path in ("in_place", "one_query"))
+    if path != "one_query":  # rows never "start together": the general paths
+        monkeypatch.setattr(decode_kernels, "_common_start", lambda starts: None)
+    for name in ("_attend_in_place", "_attend_windows", "_one_query"):
         real = getattr(decode_kernels, name)
         spy = lambda *a, _real=real, _name=name: taken.append(_name) or _real(*a)  # noqa: E731
         monkeypatch.setattr(decode_kernels, name, spy)
@@ -126,15 +130,94 @@ def test_decode_gradients_equal_the_reference(case, contiguous):
         torch.testing.assert_close(g, w, rtol=tol, atol=tol, msg=lambda m, n=name: f"d{n}: {m}")
 
 
-@pytest.mark.parametrize("path", PATHS)
+# (B, Hq, Hkv, Nk, start, D, block, top_k, pooling, sink, local, top_p): one query, rows that start together
+ONE_QUERY_CASES = [
+    (2, 9, 3, 203, 0, 12, 16, 3, "mean", 0, 0, None),  # SmolLM2's GQA ratio, odd length, two max passes
+    (3, 4, 2, 111, 5, 8, 16, 5, "mean", 0, 0, None),  # left padding, topk picks
+    (1, 8, 8, 111, 0, 60, 16, 9, "mean", 0, 0, None),  # top_k >= blocks: dense
+    (2, 4, 2, 129, 3, 8, 32, 1, "mean", 0, 0, None),  # top_k = 1, an own block of one key
+    (3, 6, 3, 77, 2, 8, 8, 3, "bound", 1, 1, None),
+    (2, 4, 2, 63, 0, 8, 6, 2, "mean+max", 2, 1, None),
+    (2, 4, 1, 45, 4, 8, 5, 4, "max", 1, 2, 1.0),  # top_p = 1: the fixed budget
+    (2, 4, 2, 40, 0, 8, 8, 2, "mean", 2, 2, None),  # sink + local + own cover every block: dense
+    (2, 4, 2, 41, 0, 8, 8, 3, "mean", 1, 1, None),  # one candidate left over: gated
+    (2, 2, 2, 9, 1, 4, 16, 3, "mean", 0, 0, None),  # block >= sequence
+    (2, 4, 2, 48, 0, 8, 8, 3, "mean", 0, 0, None),  # the own block full
+]
+
+
+def _one_query_id(c):
+    b, hq, hkv, nk, start, d, bs, k, pool, sink, local, top_p = c
+    return f"B{b}-T{nk}-S{start}-H{hkv}-HQ{hq}-D{d}-blk{bs}-k{k}-{pool}-s{sink}l{local}-p{top_p}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", ONE_QUERY_CASES, ids=_one_query_id)
+def test_one_query_step_equals_the_reference_and_the_general_path(case, dtype, monkeypatch):
+    """A step of `generate` (one query, rows starting together) takes `_one_query`: its selection equals the general
+    path's exactly, its output the reference's of every row's sequence (dense when every block is attended)."""
+    from moba_hf.kernels import decode as decode_kernels
+
+    b, hq, hkv, nk, start, d, bs, k, pool, sink, local, top_p = case
+    gate = dict(block_size=bs, top_k=k, pooling=pool, sink_blocks=sink, local_blocks=local, top_p=top_p)
+    gen = torch.Generator().manual_seed(nk)
+    q = torch.randn(b, hq, 1, d, dtype=dtype, generator=gen)
+    keys, values = (torch.randn(b, hkv, nk, d, dtype=dtype, generator=gen) for _ in range(2))
+    starts = None if start == 0 else torch.full((b,), start, dtype=torch.int32)
+    block_keys = block_keys_from_cache(keys, bs, pool, starts)
+    taken = force_path(monkeypatch, "one_query")
+    out, chosen = moba_decode(q, keys, values, block_keys, starts=starts, return_selection=True, **gate)
+    assert taken == ["_one_query"]
+    monkeypatch.setattr(decode_kernels, "_common_start", lambda starts: None)
+    general, want_chosen = moba_decode(q, keys, values, block_keys, starts=starts, return_selection=True, **gate)
+    assert taken == ["_one_query", "_attend_in_place"]
+    assert torch.equal(chosen, want_chosen)
+    want = moba_attention_reference(q[:, :, :, :], keys[:, :, start:], values[:, :, start:], **gate)
+    tol = rounding_tol(dtype, 1, nk, d)
+    torch.testing.assert_close(out, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(out, general, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("top_k", [2, 3, 5])
+@pytest.mark.parametrize("poison", [None, float("nan"), float("inf"), float("-inf")])
+def test_one_query_step_breaks_ties_as_the_general_path(poison, top_k, monkeypatch):
+    """Blocks whose gate scores tie exactly (copies of one block, two blocks holding the same NaN / inf key): the
+    one-query step picks the blocks `choose_blocks` picks."""
+    from moba_hf.kernels import decode as decode_kernels
+
+    b, hq, hkv, d, bs = 2, 6, 3, 8, 4
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(b, hq, 1, d, dtype=torch.float64, generator=gen)
+    block = torch.randn(b, hkv, bs, d, dtype=torch.float64, generator=gen)
+    keys = torch.cat([block, torch.randn(b, hkv, bs, d, dtype=torch.float64, generator=gen)] + [block] * 4, dim=2)
+    keys = torch.cat([keys, torch.randn(b, hkv, 3, d, dtype=torch.float64, generator=gen)], dim=2)  # 7 blocks
+    if poison is not None:
+        keys[:, :, [1, 9, 13], 2] = poison  # blocks 0, 2 and 3
+    values = torch.randn_like(keys)
+    gate = dict(block_size=bs, top_k=top_k)
+    block_keys = block_keys_from_cache(keys, bs)
+    taken = force_path(monkeypatch, "one_query")
+    out, chosen = moba_decode(q, keys, values, block_keys, return_selection=True, **gate)
+    monkeypatch.setattr(decode_kernels, "_common_start", lambda starts: None)
+    general, want = moba_decode(q, keys, values, block_keys, return_selection=True, **gate)
+    assert taken == ["_one_query", "_attend_in_place"]
+    assert torch.equal(chosen, want)
+    torch.testing.assert_close(out, general, rtol=1e-12, atol=1e-12, equal_nan=True)
+
+
+@pytest.mark.parametrize(
+    "path, nq, top_k",
+    [(path, 2, 3) for path in PATHS] + [("one_query", 1, 3), ("one_query", 1, 6), ("in_place", 1, 3)],
+)
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 @pytest.mark.parametrize("which", ["q", "k", "v"])
-def test_decode_paths_carry_nan_and_inf_like_the_reference(which, value, path, monkeypatch):
+def test_decode_paths_carry_nan_and_inf_like_the_reference(which, value, path, nq, top_k, monkeypatch):
     """Every position of a 3-row batch poisoned in turn (own block, gated blocks, the part of a shifted last window
-    before its block, unselected blocks): the same NaN / inf pattern as the reference, the same finite values."""
+    before its block, unselected blocks): the same NaN / inf pattern as the reference, the same finite values.
+    top_k 6 of 6 blocks: the one-query path's dense attention."""
     force_path(monkeypatch, path)
-    b, hq, hkv, nk, nq, d, bs = 3, 4, 2, 43, 2, 8, 8
-    gate = dict(block_size=bs, top_k=3)
+    b, hq, hkv, nk, d, bs = 3, 4, 2, 43, 8, 8
+    gate = dict(block_size=bs, top_k=top_k)
     gen = torch.Generator().manual_seed(1)
     q0, k0, v0 = (
         torch.randn(b, h, n, d, generator=gen, dtype=torch.float64) for h, n in ((hq, nq), (hkv, nk), (hkv, nk))
@@ -155,7 +238,7 @@ def test_float32_takes_the_in_place_path_and_bfloat16_the_windows(monkeypatch):
     from moba_hf.kernels import decode as decode_kernels
 
     taken = []
-    for name in ("_attend_in_place", "_attend_windows"):
+    for name in ("_attend_in_place", "_attend_windows", "_one_query"):
         real = getattr(decode_kernels, name)
         monkeypatch.setattr(decode_kernels, name, lambda *a, _r=real, _n=name: taken.append(_n) or _r(*a))
     q = torch.randn(1, 4, 1, 16)
@@ -167,7 +250,7 @@ def test_float32_takes_the_in_place_path_and_bfloat16_the_windows(monkeypatch):
         assert out.dtype == dtype
         tol = rounding_tol(torch.float32, 1, 70, 16) if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
         torch.testing.assert_close(out, want, rtol=tol, atol=tol)
-    assert taken == ["_attend_in_place", "_attend_windows"]
+    assert taken == ["_one_query", "_attend_windows"]
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,7 @@ from .checks import check_inputs, check_shapes, gate_dtype, needs_grad
 from .nonfinite import masked_matmul
 from .plan import BlockPlan
 from .pooling import gate_queries, gate_width, pooled_keys
-from .selection import GateOptions, block_masks, choose_blocks
+from .selection import MAX_PASS_PICKS, GateOptions, block_masks, choose_blocks
 from .workers import run_single_threaded
 
 # `block_masks` of rows of one length, by (blocks, queries, position, block size, sink, local, device): a decode
@@ -276,14 +276,18 @@ def moba_decode_cache(
 def _decode(q, cache, block_keys, block_size, top_k, scale, gate, starts, return_selection):
     nk = cache.shape[2]
     scale = q.shape[3] ** -0.5 if scale is None else scale
+    # one query (a step of `generate`), rows that start together, the fixed budget, read in place: the short path
+    one_query = q.shape[2] == 1 and (gate.top_p is None or gate.top_p >= 1) and isinstance(cache, DenseCache)
+    start = _common_start(starts) if one_query and _reads_in_place(q, cache) else None
+    if start is not None:
+        _check_block_count(block_keys, nk - start, block_size)
+        return _one_query(q, cache.k, cache.v, block_keys, start, block_size, top_k, scale, gate, return_selection)
     if starts is None:  # rows of one length: index arithmetic on Python ints, a few ops fewer per step
         lengths = longest = nk
     else:
         starts = starts.to(device=q.device, dtype=torch.long)
         lengths, longest = nk - starts, nk - int(starts.min())
-    needed = -(-longest // block_size)
-    if block_keys.shape[2] < needed:
-        raise ValueError(f"block_keys has {block_keys.shape[2]} blocks, the sequences need {needed}")
+    needed = _check_block_count(block_keys, longest, block_size)
     selected = decode_selection(
         q, block_keys[:, :, :needed], lengths, block_size=block_size, top_k=top_k, gate=gate
     )  # [B, Hq, Nq, nb]
@@ -294,6 +298,179 @@ def _decode(q, cache, block_keys, block_size, top_k, scale, gate, starts, return
     else:
         out = _attend_windows(q, cache, selected, starts, block_size, scale)
     return (out, selected) if return_selection else out
+
+
+def _check_block_count(block_keys: torch.Tensor, longest: int, block_size: int) -> int:
+    """The blocks of the longest row's sequence; ValueError if block_keys holds fewer."""
+    needed = -(-longest // block_size)
+    if block_keys.shape[2] < needed:
+        raise ValueError(f"block_keys has {block_keys.shape[2]} blocks, the sequences need {needed}")
+    return needed
+
+
+def _common_start(starts: torch.Tensor | None) -> int | None:
+    """The cache position every row starts at (None: 0), or None if rows start at different positions."""
+    if starts is None:
+        return 0
+    low, high = starts.aminmax()
+    low = int(low)
+    return low if low == int(high) else None
+
+
+# --- one query, rows of one length: the step `generate` runs per layer and token ------------------------------------
+#
+#   blocks     0     1     2     3     4     5     6      own = 6 (partial), sink_blocks = 1, local_blocks = 1
+#   forced     s                             l     o      s: sink, l: local, o: own (its keys so far)
+#   gated            c     c     c     c                  candidates lo .. hi - 1 = 1 .. 4, top_k - 1 picked
+#
+# The candidates are one run of blocks, so the gate's picks are a max over a slice of the scores, and the forced
+# blocks are known without looking at them. Each query row reads its own list of key positions (every one of them
+# attended: nothing to mask), scored by one sampled q.k product and summed by one weighted gather of value rows.
+# When the candidates are no more than the picks, every block is attended: plain dense attention over the row's
+# sequence, with no gate at all.
+
+
+def _one_query(q, k, v, block_keys, start, block_size, top_k, scale, gate, return_selection):
+    """`_decode` of one query per row, every row's sequence at cache positions start .. Nk - 1, fixed budget, on the
+    in-place path (CPU float32 / float64, contiguous cache, no autograd). Returns [B, Hq, 1, D] (and the selection
+    [B, Hq, 1, n_blocks] if `return_selection`).
+
+    Its ops run on this thread alone: a step is a fraction of a millisecond, split over threads it saves a few tens
+    of microseconds, and each split op waits for its slowest thread, which on a loaded machine is a scheduler
+    time slice (milliseconds). The setting is this thread's own (OpenMP), restored after the step."""
+    threads = torch.get_num_threads()
+    if threads == 1 or not _ONE_THREAD:
+        return _one_query_here(q, k, v, block_keys, start, block_size, top_k, scale, gate, return_selection)
+    torch.set_num_threads(1)
+    try:
+        return _one_query_here(q, k, v, block_keys, start, block_size, top_k, scale, gate, return_selection)
+    finally:
+        torch.set_num_threads(threads)
+
+
+_ONE_THREAD = True
+
+
+def _one_query_here(q, k, v, block_keys, start, block_size, top_k, scale, gate, return_selection):
+    b, hq, _, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    n = nk - start
+    nb = -(-n // block_size)
+    own = nb - 1
+    lo = min(gate.sink_blocks, own)  # candidates: blocks lo .. hi - 1 (neither sink, local nor own)
+    hi = max(lo, own - gate.local_blocks)
+    n_pick = top_k - 1
+    if hi - lo <= n_pick:  # every candidate is picked: all blocks
+        out = _dense_one_query(q, k[:, :, start:], v[:, :, start:], scale)
+        if not return_selection:
+            return out
+        return out, torch.ones(b, hq, 1, nb, dtype=torch.bool, device=q.device)
+    r = b * hq
+    if n_pick == 0:  # top_k = 1: no gate
+        picks = torch.empty(r, 0, dtype=torch.long, device=q.device)
+    else:
+        with torch.no_grad():  # one bmm: [B * Hkv, g, W] @ [B * Hkv, W, nb], rows (query head)
+            gate_q = gate_queries(q.to(block_keys.dtype).reshape(b * hkv, hq // hkv, d), gate.pooling)
+            pooled = block_keys.reshape(b * hkv, block_keys.shape[2], -1)[:, :nb]
+            picks = _gated_picks(torch.bmm(gate_q, pooled.transpose(1, 2)).view(r, nb), lo, hi, n_pick)  # - lo
+    # row (row, head) reads rows base + position of k.view(-1, D): its KV head's keys start at head index * Nk
+    base = torch.add(start, _head_rows(b, hq, hkv, q.device), alpha=nk)  # [R, 1]
+    forced = _forced_positions(lo, hi, n, block_size, q.device)  # sequence positions of the forced blocks [F]
+    gated = n_pick * block_size
+    cols = torch.empty(r, gated + forced.numel(), dtype=torch.long, device=q.device)
+    offset = _cached(("offset", lo * block_size, block_size, q.device),  # picks count from block lo
+                     lambda: torch.arange(lo * block_size, (lo + 1) * block_size, device=q.device))  # fmt: skip
+    torch.add(torch.add(base, picks, alpha=block_size)[..., None], offset,
+              out=cols[:, :gated].view(r, n_pick, block_size))  # fmt: skip
+    torch.add(base, forced, out=cols[:, gated:])
+    nnz = cols.shape[1]
+    keys, values = k.view(-1, d), v.view(-1, d)
+    crow = torch.arange(0, r * nnz + 1, nnz, device=q.device)
+    pattern = _csr(crow, cols.view(-1), _zeros(r * nnz, q.dtype, q.device), keys.shape[0])
+    scores = torch.sparse.sampled_addmm(pattern, q.reshape(r, d), keys.t(), beta=0.0, alpha=scale)
+    probs = scores.values().view(r, nnz).softmax(dim=-1)
+    # every listed key is attended: a NaN / inf value reaches exactly the rows that attend it, as in the rule.
+    # (torch.embedding_bag, not F.embedding_bag: the bags' offsets are crow, not a new arange of the same)
+    out = torch.embedding_bag(values, cols.view(-1), crow, False, 0, False, probs.view(-1), True)[0]
+    out = out.view(b, hq, 1, d)
+    if not return_selection:
+        return out
+    forced_blocks = _cached(("forced", r, nb, lo, hi, q.device), lambda: _forced_blocks(r, nb, lo, hi, q.device))
+    return out, forced_blocks.clone().scatter_(1, picks + lo, True).view(b, hq, 1, nb)
+
+
+def _forced_blocks(r: int, nb: int, lo: int, hi: int, device: torch.device) -> torch.Tensor:
+    """bool [R, nb]: the blocks before lo and from hi on (sink, local and own blocks)."""
+    blocks = torch.arange(nb, device=device)
+    return ((blocks < lo) | (blocks >= hi)).expand(r, nb)
+
+
+def _dense_one_query(q, k, v, scale):
+    """Attention of one query per row over every key: the reference's arithmetic (a masked NaN / inf key or value
+    cannot exist here, and a row of all-NaN or all -inf scores stays NaN, where the fused kernel gives 0).
+    q: [B, Hq, 1, D]; k, v: [B, Hkv, N, D] -> [B, Hq, 1, D]."""
+    b, hq, _, d = q.shape
+    hkv = k.shape[1]
+    q5 = q.reshape(b, hkv, hq // hkv, d)
+    probs = (q5 @ k.transpose(-1, -2)).mul_(scale).softmax(dim=-1)  # [B, Hkv, g, N]
+    return (probs @ v).view(b, hq, 1, d)
+
+
+def _gated_picks(scores: torch.Tensor, lo: int, hi: int, n_pick: int) -> torch.Tensor:
+    """The n_pick best candidates (blocks lo .. hi - 1, more than n_pick of them) by scores [R, nb], as
+    `choose_blocks` picks them: block indices minus lo [R, n_pick]. Overwrites scores."""
+    candidates = scores[:, lo:hi].clamp_(min=torch.finfo(scores.dtype).min)  # a -inf candidate ranks last
+    if n_pick <= MAX_PASS_PICKS:
+        # choose_blocks' max passes take the largest left, the first of equal ones, a NaN before any number: the
+        # head of a stable descending sort, in one op
+        return candidates.sort(dim=-1, descending=True, stable=True).indices[:, :n_pick]
+    # choose_blocks' topk over the whole row, non-candidates at -inf: the same input, the same picks
+    scores[:, :lo] = float("-inf")
+    scores[:, hi:] = float("-inf")
+    return scores.topk(n_pick, dim=-1, sorted=False).indices - lo
+
+
+_one_query_tables: dict[tuple, torch.Tensor] = {}
+
+
+def _cached(key: tuple, make) -> torch.Tensor:
+    found = _one_query_tables.get(key)
+    if found is None:
+        if len(_one_query_tables) > 256:  # shapes of many generations: keep the table small
+            _one_query_tables.clear()
+        found = _one_query_tables[key] = make()
+    return found
+
+
+def _head_rows(b: int, hq: int, hkv: int, device: torch.device) -> torch.Tensor:
+    """Each query row's (row, KV head) index [B * Hq, 1]: its keys are rows index * Nk .. of k.view(-1, D)."""
+    return _cached(
+        ("heads", b, hq, hkv, device),
+        lambda: (torch.arange(b, device=device)[:, None] * hkv + torch.arange(hq, device=device) // (hq // hkv)).view(
+            -1, 1
+        ),
+    )
+
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    return _cached(("arange", n, device), lambda: torch.arange(n, device=device))
+
+
+def _zeros(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """n zeros (a view of a kept tensor, read only)."""
+    key = ("zeros", dtype, device)
+    found = _one_query_tables.get(key)
+    if found is None or found.numel() < n:
+        found = _one_query_tables[key] = torch.zeros(max(n, 2 * (0 if found is None else found.numel())), dtype=dtype,
+                                                     device=device)  # fmt: skip
+    return found[:n]
+
+
+def _forced_positions(lo: int, hi: int, n: int, block_size: int, device: torch.device) -> torch.Tensor:
+    """Sequence positions of the forced blocks of a query at position n - 1: the sink blocks 0 .. lo - 1, then the
+    local blocks from hi and the own block's keys so far: [lo * bs + (n - hi * bs)]."""
+    tail = torch.arange(hi * block_size, n, device=device)
+    return tail if lo == 0 else torch.cat([_arange(lo * block_size, device), tail])
 
 
 def _reads_in_place(q: torch.Tensor, cache: DenseCache) -> bool:

@@ -27,7 +27,9 @@ from ..options import (
 from .checks import check_count, effective_block_size, num_blocks
 from .pooling import gate_queries, pooled_keys
 
-_MAX_PASS_PICKS = 2  # up to this many gated picks per query, repeated max passes select instead of topk
+# up to this many gated picks per query, repeated max passes select instead of topk (the one-query decode step
+# takes the same picks from a stable sort)
+MAX_PASS_PICKS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +186,7 @@ def choose_blocks(
     if gate.sink_blocks:
         gated[..., : gate.sink_blocks].masked_fill_(excluded[..., : gate.sink_blocks], float("-inf"))
     gated[..., first:].masked_fill_(excluded[..., first:], float("-inf"))
-    if n_pick <= _MAX_PASS_PICKS:  # a max pass per pick beats topk for the paper's top_k = 3 (1.7x on CPU)
+    if n_pick <= MAX_PASS_PICKS:  # a max pass per pick beats topk for the paper's top_k = 3 (1.7x on CPU)
         # each pass sets its row's best candidate to -inf; a row out of candidates sets an excluded (-inf) entry
         # again, picking nothing: afterwards the picked blocks are the candidates at -inf
         for _ in range(n_pick):
