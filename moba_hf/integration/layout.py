@@ -9,6 +9,8 @@ layer receives as its `attention_mask`::
     None                      every row is one whole sequence
     bool  [B, kv_length]      padding: False marks a pad key
     int64 [B, kv_length]      packed rows: the document id of each key (no padding)
+    int8 [B, 1, 1, kv_length] a pre-allocated cache (StaticCache): each slot unwritten, a pad or real
+                              (`static_layout`); the attention reads the written slots and goes on with the above
 
 Packing rule (transformers' own): a row is packed only where transformers' mask says so -- it checks
 `position_ids` (a new document wherever the position does not advance by exactly one) only when the forward has
