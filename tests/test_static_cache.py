@@ -178,3 +178,17 @@ def test_static_windows_read_the_windows_of_each_row():
                 s = 5 + int(start[b, h, u])
                 torch.testing.assert_close(got_k[b, h, 4 * u : 4 * u + 4], k[b, h, s : s + 4].double())
                 torch.testing.assert_close(got_v[b, h, 4 * u : 4 * u + 4], v[b, h, s : s + 4].double())
+
+
+@pytest.mark.slow
+def test_smollm2_static_cache_generates_the_dynamic_caches_tokens():
+    """The embedded SmolLM2, training-free gate with sparse decode steps: a prompt past the sink, local and gated
+    blocks of 64, greedy tokens with a StaticCache equal the DynamicCache's."""
+    from moba_hf.models import load
+
+    model, tokenizer = load("smollm2", moba=MobaConfig.preset("training-free").replace(decode="moba"))
+    text = "Here is a list of the planets of the solar system, in order from the sun: Mercury, Venus. " * 30
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, :560]
+    kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    want = model.generate(ids, **kwargs)
+    assert torch.equal(model.generate(ids, cache_implementation="static", **kwargs), want)
