@@ -4,6 +4,8 @@
     .venv/bin/python benchmarks/bench_decode.py --model-contexts         # op only
     .venv/bin/python benchmarks/bench_decode.py --loads idle             # without the busy run
     .venv/bin/python benchmarks/bench_decode.py --threads 1              # op rows at one thread only
+    .venv/bin/python benchmarks/bench_decode.py --op-contexts --settings default --loads idle \
+        --model-contexts 4096 8192 16384 --new-tokens 4 --rounds 2    # whole-model steps only
 
 `decode = "moba"` attends MoBA's blocks at every decode step, whatever the cache length; this script times that step.
 Every setting is checked first, then timed idle (nothing added; other jobs on a shared machine still run) and busy
@@ -21,12 +23,15 @@ Checked against `moba_attention_reference` (and SDPA against dense attention) be
 Each op row prints the read limit beside its ratios: context / the keys a step reads at most ((top_k + sink_blocks +
 local_blocks) blocks), the speed-up of a step whose cost is only its reads (e.g. 16K / 1,536 keys = 10.7x).
 
-Model: SmolLM2-135M (30 layers), greedy `generate` of --new-tokens tokens after a context of N tokens, --rounds
-times per setting and load, alternating MoBA and SDPA. The KV cache is filled synthetically (random keys/values at
-every layer, the same for both; a real 16K prefill takes minutes on a small CPU) and only decode steps are timed:
-per-token latency is the time between tokens reported to a streamer (the first two are dropped: the prompt and
-generate's setup). Checked first: one cached decode step's logits equal the uncached MoBA path's on the same cache.
-Both use transformers' DynamicCache, which copies the whole cache at every step (torch.cat): that cost is in both.
+Model: SmolLM2-135M (30 layers), greedy decode steps after a context of N tokens, one token at a time, per cache
+(`--caches`): "dynamic" (transformers' DynamicCache, which copies the whole cache at every step: that cost is in
+both), "static" (its StaticCache, pre-allocated for N + the steps, written in place) and "compiled" (the static step
+under `torch.compile`, inductor; compiling takes minutes on a small CPU). MoBA and SDPA run in the same cache
+setting, --rounds rounds each, alternated: a fresh cache filled synthetically (random keys/values at every layer,
+the same for both: a real 16K prefill takes minutes on a small CPU), 2 untimed steps, then --new-tokens timed ones;
+at every thread count of --model-threads (0: torch's default). Checked first: one cached sparse step's logits equal
+the prefill path's on the same cache, and the greedy tokens of every cache kind are equal (MoBA's, and SDPA's).
+Each row carries the read limit: cache keys / the most keys a sparse step reads (the op's ceiling on the ratio).
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from moba_hf.kernels import BlockPlan, moba_attention_reference  # noqa: E402
 from moba_hf.kernels.decode import decode_plan  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
+DEFAULT_THREADS = torch.get_num_threads()  # torch's choice for this machine, before --threads
 
 
 def _cache_keyword() -> str:
@@ -155,45 +161,95 @@ class OpCase:
 
 
 # --- whole model ----------------------------------------------------------------------------------------------------
-class StepClock:
-    """A generate streamer that timestamps every emitted token."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, value) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
+# the caches a whole-model step is timed with: transformers' DynamicCache (copies the whole cache at every step), its
+# StaticCache (pre-allocated, written in place) and the StaticCache step under torch.compile (inductor)
+CACHES = ("dynamic", "static", "compiled")
+WARMUP_STEPS = 2  # untimed steps after the cache is filled: MoBA's block state is built at the first
 
 
-def synthetic_cache(model, context: int, seed: int = 0):
-    from transformers import DynamicCache
+def filled_cache(model, kind: str, context: int, capacity: int, seed: int = 0):
+    """A cache of `kind` holding `context` random keys / values at every layer (the same for MoBA and SDPA: a real
+    16K prefill takes minutes on a small CPU), with room for `capacity` tokens when it is pre-allocated."""
+    from transformers import DynamicCache, StaticCache
 
     cfg = model.config
     gen = torch.Generator().manual_seed(seed)
-    cache = DynamicCache(config=cfg)
+    if kind == "dynamic":
+        cache = DynamicCache(config=cfg)
+    else:
+        cache = StaticCache(config=cfg, max_cache_len=capacity)
     shape = (1, cfg.num_key_value_heads, context, cfg.hidden_size // cfg.num_attention_heads)
     for layer in range(cfg.num_hidden_layers):
         cache.update(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen), layer)
     return cache
 
 
-def decode_latencies(model, context: int, new_tokens: int) -> list[float]:
-    ids = torch.randint(0, model.config.vocab_size, (1, context + 1), generator=torch.Generator().manual_seed(1))
-    clock = StepClock()
-    with torch.no_grad():
-        model.generate(
-            ids,
-            **{_cache_keyword(): synthetic_cache(model, context)},
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            streamer=clock,
+class ModelDecode:
+    """Greedy decode steps of `forward` (a model, or its compiled call) over a cache of `kind` filled with `context`
+    tokens, room for `steps` more: what a step of `generate` runs, one token at a time, without its bookkeeping."""
+
+    def __init__(self, model, forward, kind: str, context: int, steps: int) -> None:
+        self.forward = forward
+        self.cache = filled_cache(model, kind, context, context + steps)
+        self.token = torch.tensor([[7]])
+        self.position = context
+        self.tokens: list[int] = []
+
+    def step(self) -> None:
+        with torch.no_grad():
+            out = self.forward(
+                input_ids=self.token, position_ids=torch.tensor([[self.position]]),
+                **{_cache_keyword(): self.cache}, use_cache=True,
+            )  # fmt: skip
+        self.token = out.logits[:, -1:].argmax(-1)
+        self.position += 1
+        self.tokens.append(int(self.token))
+
+
+def model_forwards(model, caches: list[str]) -> dict[str, object]:
+    """The callable each cache kind steps: the model, or (compiled) `torch.compile(model)` of a copy, so that the
+    eager rows run no compiled code. Each attention layer is a graph break (the attention call runs eagerly) and its
+    frame compiles once per layer (transformers' `layer_idx`): the recompile limit is raised to hold them all."""
+    import copy
+
+    forwards = {kind: model for kind in caches if kind != "compiled"}
+    if "compiled" in caches:
+        torch._dynamo.config.recompile_limit = max(
+            torch._dynamo.config.recompile_limit, 4 * model.config.num_hidden_layers
         )
-    stamps = clock.times[1:]  # the first put() is the prompt itself
-    return [b - a for a, b in zip(stamps[1:], stamps[2:], strict=False)]  # the first step sets up cache and hooks
+        forwards["compiled"] = torch.compile(copy.deepcopy(model))
+    return forwards
+
+
+def check_model_tokens(forwards: dict[str, object], model, context: int, tokens: int) -> list[int]:
+    """Greedy tokens over the same filled cache with every cache kind: equal, or raise (the first call of the
+    compiled forward compiles it: minutes on a small CPU)."""
+    got = {}
+    for kind, forward in forwards.items():
+        run = ModelDecode(model, forward, kind, context, WARMUP_STEPS + tokens)
+        for _ in range(WARMUP_STEPS + tokens):
+            run.step()
+        got[kind] = run.tokens
+    first = next(iter(got.values()))
+    if any(t != first for t in got.values()):
+        raise AssertionError(f"greedy tokens differ between caches at context {context}: {got}")
+    return first
+
+
+def model_step_times(moba_forward, sdpa_forward, models, kind: str, context: int, tokens: int, rounds: int):
+    """Per-step seconds of MoBA and SDPA: `rounds` times a fresh filled cache, WARMUP_STEPS untimed steps, then
+    `tokens` timed steps, MoBA's and SDPA's rounds alternated so both see the same load."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(rounds):
+        for forward, model, out in ((moba_forward, models[0], times[0]), (sdpa_forward, models[1], times[1])):
+            run = ModelDecode(model, forward, kind, context, WARMUP_STEPS + tokens)
+            for _ in range(WARMUP_STEPS):
+                run.step()
+            for _ in range(tokens):
+                t = time.perf_counter()
+                run.step()
+                out.append(time.perf_counter() - t)
+    return times
 
 
 def verify_model_step(model, context: int) -> float:
@@ -204,16 +260,55 @@ def verify_model_step(model, context: int) -> float:
     for layer in model.model.layers:  # normally installed by the first moba call
         moba_cache.install_hooks(layer.self_attn)
     with torch.no_grad():
-        sparse = model(tok, **{keyword: synthetic_cache(model, context)}, position_ids=pos, use_cache=True).logits
+        sparse = model(tok, **{keyword: filled_cache(model, "dynamic", context, 0)}, position_ids=pos, use_cache=True)
         limit, moba_cache.DECODE_MAX_QUERIES = moba_cache.DECODE_MAX_QUERIES, 0  # the prefill kernel instead
         try:
-            ref = model(tok, **{keyword: synthetic_cache(model, context)}, position_ids=pos, use_cache=True).logits
+            ref = model(tok, **{keyword: filled_cache(model, "dynamic", context, 0)}, position_ids=pos, use_cache=True)
         finally:
             moba_cache.DECODE_MAX_QUERIES = limit
-    diff = float((sparse - ref).abs().max() / ref.abs().max())
+    diff = float((sparse.logits - ref.logits).abs().max() / ref.logits.abs().max())
     if not diff < 1e-4:  # float32 rounding; a different block choice would move logits far more
         raise AssertionError(f"sparse decode logits differ from the reference path by {diff:.2e} (relative)")
     return diff
+
+
+def model_rows(args, settings: dict[str, MobaConfig]) -> list[dict]:
+    """SmolLM2 decode steps, MoBA vs SDPA in the same cache setting, for every setting, context, cache kind, thread
+    count and load; the tokens of every cache kind checked equal first."""
+    import copy
+
+    import moba_hf
+    from moba_hf.models import load as load_model
+
+    sdpa, _ = load_model("smollm2")
+    rows = []
+    for name, moba in settings.items():
+        model = moba_hf.apply(copy.deepcopy(sdpa), moba)
+        moba_forwards, sdpa_forwards = model_forwards(model, args.caches), model_forwards(sdpa, args.caches)
+        for context in args.model_contexts:
+            diff = verify_model_step(model, context)
+            for label, forwards, m in (("moba", moba_forwards, model), ("sdpa", sdpa_forwards, sdpa)):
+                tokens = check_model_tokens(forwards, m, context, args.new_tokens)
+                print(f"check model {name} {context} {label}: {'/'.join(forwards)} caches give tokens {tokens}")
+            print(f"check model {name} {context}: sparse step vs prefill path, relative logit difference {diff:.1e}")
+            for threads in args.model_threads:
+                torch.set_num_threads(threads or DEFAULT_THREADS)
+                for load_name in args.loads:
+                    with busy(args.busy if load_name == "busy" else 0):
+                        for kind in args.caches:
+                            t_moba, t_sdpa = model_step_times(
+                                moba_forwards[kind], sdpa_forwards[kind], (model, sdpa), kind, context,
+                                args.new_tokens, args.rounds,
+                            )  # fmt: skip
+                            rows.append(
+                                {"bench": f"smollm2-step-{kind}", **setting_fields(name, moba), "context": context,
+                                 "load": load_name, "threads": torch.get_num_threads(),
+                                 **timing_fields(t_moba, t_sdpa), "read_limit": read_limit(moba, context),
+                                 "check": f"{diff:.1e}"}
+                            )  # fmt: skip
+                            print(rows[-1], flush=True)
+        torch.set_num_threads(DEFAULT_THREADS)
+    return rows
 
 
 def cpu_name() -> str:
@@ -254,8 +349,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--loads", nargs="+", choices=["idle", "busy"], default=["idle", "busy"])
     parser.add_argument("--busy", type=int, default=1, help="CPU-bound processes beside the busy timing")
     parser.add_argument("--repeats", type=int, default=200, help="op-level repeats")
-    parser.add_argument("--new-tokens", type=int, default=8, help="tokens per generate call")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating MoBA / SDPA generate calls")
+    parser.add_argument("--new-tokens", type=int, default=8, help="timed model steps per round")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating MoBA / SDPA rounds of model steps")
+    parser.add_argument("--caches", nargs="+", choices=CACHES, default=list(CACHES), help="model rows' caches")
+    parser.add_argument(
+        "--model-threads", type=int, nargs="+", default=[0, 1], help="model rows' torch threads (0: the default)"
+    )
     parser.add_argument("--block-size", type=int, default=512, help='the "default" setting\'s block size')
     parser.add_argument("--top-k", type=int, default=3, help='the "default" setting\'s top_k')
     parser.add_argument(
@@ -294,28 +393,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(threads[0][1])
 
     if args.model_contexts:
-        import moba_hf
-        from moba_hf.models import load as load_model
-
-        model, _ = load_model("smollm2")
-        checks = {}
-        for name, moba in settings.items():
-            for context in args.model_contexts:
-                checks[name, context] = verify_model_step(moba_hf.apply(model, moba), context)
-                moba_hf.revert(model)
-                print(f"check model {name} {context}: relative logit difference {checks[name, context]:.1e} -> ok")
-        for load_name in args.loads:
-            with busy(args.busy if load_name == "busy" else 0):
-                for (name, context), diff in checks.items():
-                    t_moba, t_sdpa = [], []
-                    for _ in range(args.rounds):  # alternate the settings so both see the same machine load
-                        t_moba += decode_latencies(moba_hf.apply(model, settings[name]), context, args.new_tokens)
-                        t_sdpa += decode_latencies(moba_hf.revert(model), context, args.new_tokens)  # "sdpa"
-                    rows.append(
-                        {"bench": "smollm2-generate", **setting_fields(name, settings[name]), "context": context,
-                         "load": load_name, **timing_fields(t_moba, t_sdpa), "check": f"{diff:.1e}"}
-                    )  # fmt: skip
-                    print(rows[-1], flush=True)
+        rows += model_rows(args, settings)
 
     rows = [{**row, **common} for row in rows]
     append_rows(args.csv, rows)  # earlier runs' rows stay, each with its date and command

@@ -111,3 +111,19 @@ def test_machine_line_reads_the_vector_isa_from_the_cpu_flags():
     assert machine.describe(cpu.replace("avx2", "avx2 avx512f"), "", 2).endswith("2 cores, AVX-512")
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "machine.py")], capture_output=True, text=True)
     assert res.returncode == 0 and " cores, " in res.stdout and ", load " in res.stdout, res.stderr
+
+
+@pytest.mark.slow
+def test_bench_decode_model_rows_check_tokens_then_time_each_cache(tmp_path):
+    """The whole-model rows (SmolLM2): every cache kind's greedy tokens checked equal, then one row per cache with
+    the thread count and the read limit."""
+    out = tmp_path / "decode.csv"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--op-contexts", "--settings", "default"]
+    cmd += ["--model-contexts", "600", "--caches", "dynamic", "static", "--model-threads", "1", "--loads", "idle"]
+    cmd += ["--block-size", "64", "--top-k", "2", "--new-tokens", "2", "--rounds", "1", "--csv", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert "check model default 600 moba: dynamic/static caches give tokens" in res.stdout
+    rows = list(csv.DictReader(out.open()))
+    assert [r["bench"] for r in rows] == ["smollm2-step-dynamic", "smollm2-step-static"]
+    assert all(r["threads"] == "1" and r["read_limit"] == "4.69" and float(r["speedup_median"]) > 0 for r in rows)

@@ -96,3 +96,48 @@ def test_compiled_smollm2_training_free_generates_as_eager():
     for prompt, tokens in zip(prompts, want, strict=True):
         assert torch.equal(model.generate(prompt, max_new_tokens=6, do_sample=False), tokens)
     assert _graphs() > graphs  # generate ran the compiled forward
+
+
+def _static_decode(step, model, ids, mask, steps: int, warm: int):
+    """Prefill `ids` eagerly into a StaticCache, then `steps` greedy steps through `step` (the model or its compiled
+    forward), each with fixed-shape inputs: the next token, its positions and a mask of all the cache's slots. After
+    `warm` steps a recompile raises. Returns the tokens [B, steps + 1] and every step's logits."""
+    from transformers import StaticCache
+
+    capacity = ids.shape[1] + steps
+    cache = StaticCache(config=model.config, max_cache_len=capacity)
+    full = torch.zeros(ids.shape[0], capacity, dtype=torch.long)
+    full[:, : ids.shape[1]] = mask
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, cache=cache, use_cache=True)
+        tokens, logits = [out.logits[:, -1:].argmax(-1)], [out.logits[:, -1]]
+        position = mask.sum(-1, keepdim=True)
+        for t in range(steps):
+            full[:, ids.shape[1] + t] = 1
+            with torch._dynamo.config.patch(error_on_recompile=t >= warm):
+                out = step(
+                    input_ids=tokens[-1], attention_mask=full, position_ids=position, cache=cache, use_cache=True
+                )
+            position = position + 1
+            tokens.append(out.logits[:, -1:].argmax(-1))
+            logits.append(out.logits[:, -1])
+    return torch.cat(tokens, dim=1), torch.stack(logits, dim=1)
+
+
+@pytest.mark.parametrize("name", ["moba", "decode_full"])
+def test_compiled_static_cache_decode_compiles_once_and_equals_eager(name, one_thread, monkeypatch):
+    """torch.compile of the decode step over a StaticCache (a left-padded batch): every input keeps its shape from
+    step to step (the cache's length is a tensor, the mask covers every slot), so after the first step nothing
+    compiles again, across block boundaries; the tokens are eager's and the logits within float32 rounding."""
+    torch._dynamo.reset()
+    model = tiny_model("llama", CASES[name], pad_token_id=0)
+    ids, mask = _left_padded((13, 8))
+    want, want_logits = _static_decode(model, model, ids, mask, steps=14, warm=14)
+    calls = Spy(monkeypatch)
+    graphs = _graphs()
+    got, logits = _static_decode(torch.compile(model), model, ids, mask, steps=14, warm=1)
+    assert _graphs() > graphs  # the steps ran compiled code
+    assert torch.equal(got, want)
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=TOL)
+    if name == "moba":  # every compiled step took the sparse step, per layer and row (rows of two lengths)
+        assert calls.decodes == 2 * 14 * TINY["num_hidden_layers"] and calls.builds == TINY["num_hidden_layers"]

@@ -598,12 +598,15 @@ def test_sparse_decode_is_tracked():
         assert sparsity == pytest.approx(1 - 6 / 42)
 
 
-def test_static_cache_refused():
+def test_static_cache_sliding_window_layers_refused():
+    """A pre-allocated cache whose layer keeps a window of the last tokens (not every key): refused by name."""
     from transformers import StaticCache
+    from transformers.cache_utils import StaticSlidingWindowLayer
 
     model = tiny_model("llama", MobaConfig(block_size=4, top_k=2))
     cache = StaticCache(config=model.config, max_cache_len=32)
-    with pytest.raises(ValueError, match="StaticCache"), torch.no_grad():
+    cache.layers[1] = StaticSlidingWindowLayer(max_cache_len=32, sliding_window=8)
+    with pytest.raises(ValueError, match="StaticSlidingWindowLayer"), torch.no_grad():
         for _ in range(2):
             model(torch.randint(0, 97, (1, 4)), **{CACHE: cache}, use_cache=True)
 
@@ -638,8 +641,8 @@ def test_mask_function_accepts_cache_position_style_calls():
         [False, True, True, True, True, True]
     ]
     assert moba_mask(batch_size=1, cache_position=torch.arange(5, 6), kv_length=6) is None
-    with pytest.raises(ValueError, match="StaticCache"):
-        moba_mask(batch_size=1, cache_position=torch.arange(5, 6), kv_length=32)  # a pre-allocated cache
+    static = moba_mask(batch_size=1, cache_position=torch.arange(5, 6), kv_length=8)  # a pre-allocated cache
+    assert static.dtype == torch.int8 and static.tolist() == [[[[2, 2, 2, 2, 2, 2, 0, 0]]]]  # 6 slots written
 
 
 def test_cached_decoding_under_autograd_equals_no_grad_and_the_full_forward(monkeypatch):

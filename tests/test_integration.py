@@ -208,11 +208,13 @@ def test_bad_layer_ids_refused_at_apply():
         moba_hf.apply(tiny_model("llama"), MobaConfig(full_attn_layer_ids=[7]))
 
 
-def test_static_cache_is_refused():
+def test_static_cache_generates_as_the_default_cache():
+    """cache_implementation="static" runs (tests/test_static_cache.py covers it in depth)."""
     model = tiny_model("llama")
     moba_hf.apply(model, MobaConfig(block_size=4, top_k=2))
-    with pytest.raises(ValueError, match="StaticCache"):
-        model.generate(torch.randint(0, 97, (1, 8)), max_new_tokens=3, do_sample=False, cache_implementation="static")
+    ids = torch.randint(0, 97, (1, 8))
+    kwargs = dict(max_new_tokens=10, do_sample=False, min_new_tokens=10)
+    assert torch.equal(model.generate(ids, cache_implementation="static", **kwargs), model.generate(ids, **kwargs))
 
 
 RULE_CASES = [

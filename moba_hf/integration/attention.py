@@ -25,7 +25,7 @@ from ..kernels import resolve_backend
 from ..kernels.checks import needs_grad
 from . import rope_remap, sparsity, state
 from .cache import cached_step
-from .layout import sequence_spans
+from .layout import is_static_layout, sequence_spans, static_keys
 from .support import SUPPORTED_MODEL_TYPES, check_supported  # noqa: F401 - re-exported
 
 
@@ -144,6 +144,9 @@ def moba_attention_forward(
     config = resolved.moba
     if dropout:
         raise ValueError(f"moba attention does not implement attention dropout; got dropout={dropout} (use 0.0)")
+    if is_static_layout(attention_mask):  # a pre-allocated cache: attend its written keys only (views, no copy)
+        written, attention_mask = static_keys(attention_mask)
+        key, value = key[:, :, :written], value[:, :, :written]
     window = kwargs.get("sliding_window")
     if (  # models whose code the support check cannot read (remote code) may still pass options MoBA would ignore
         kwargs.get("softcap") is not None

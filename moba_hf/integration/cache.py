@@ -8,8 +8,15 @@ them the first time `moba_attention_forward` sees each module. The block state i
 and survives `generate`.
 
 A state is trusted only if the keys the layer held before this call are the very tensor the state last
-summed (a `DynamicCache` append makes a new tensor each update; `reset`, `crop`, beam reordering, batch
-selection or offloading all replace it too). Otherwise it is rebuilt once from the cache's keys.
+summed and the state covers exactly the tokens the cache held before this call (a `DynamicCache` append makes a
+new tensor each update; `reset`, `crop`, beam reordering, batch selection or offloading all replace it too; a
+`StaticCache` keeps one tensor, whose written length `reset` and `crop` set back, and a new prompt starts again
+from 0). Otherwise it is rebuilt once from the cache's keys.
+
+A `StaticCache` (pre-allocated: every layer's keys are [B, Hkv, max_cache_len, D], written up to the tokens seen)
+is read through its written slots only (`layout.static_layout` says how many); its block state is allocated for
+all max_cache_len tokens at once, and a sparse decode step reads the selected blocks' windows straight from the
+cache's tensors (`StaticWindows`): nothing that grows with the cache is copied.
 
 Per row, blocks are laid out over the row's real tokens (pads dropped, counted from its first real token),
 the layout the padded prefill path uses. Rows are packed only in forwards without a cache (transformers' rule,
@@ -18,6 +25,7 @@ see `layout`), so the block state never holds documents.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from typing import Any
@@ -27,7 +35,7 @@ import torch.nn.functional as F
 
 from .. import core
 from ..config import MobaConfig
-from ..kernels.checks import gate_dtype
+from ..kernels.checks import gate_dtype, needs_grad
 from ..kernels.pooling import BlockStats
 from . import sparsity, state
 
@@ -72,9 +80,9 @@ def _pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     if block_state is None:  # no block state (e.g. a plain prefill so far): nothing to be in step with
         layer_state.call = (weakref.ref(cache), False)
         return
-    keys = _layer_keys(cache, layer)
+    keys = _layer_keys(cache, layer)  # (the count is checked in `block_state`, which knows the tokens written)
     in_step = keys is not None and block_state.keys_ref is not None and block_state.keys_ref() is keys
-    layer_state.call = (weakref.ref(cache), in_step and block_state.n == keys.shape[2])
+    layer_state.call = (weakref.ref(cache), in_step)
 
 
 @torch.compiler.disable
@@ -115,8 +123,8 @@ def remove_hooks(model: torch.nn.Module) -> None:
 
 
 def current_call(module: torch.nn.Module) -> tuple[Any, bool] | None:
-    """(cache, whether the layer's block state covered exactly its keys before this call) for the forward in
-    progress, or None when the call has no cache (or the hooks were installed during it)."""
+    """(cache, whether the layer's block state was built from the keys tensor the layer held before this call) for
+    the forward in progress, or None when the call has no cache (or the hooks were installed during it)."""
     layer_state = state.layer_if_any(module)
     call = None if layer_state is None else layer_state.call
     if call is None:
@@ -125,13 +133,28 @@ def current_call(module: torch.nn.Module) -> tuple[Any, bool] | None:
     return None if cache is None else (cache, call[1])
 
 
-def check_cache_supported(cache: Any, layer_idx: int | None) -> None:
+def _cache_layer(cache: Any, layer_idx: int | None) -> Any:
     layers = getattr(cache, "layers", None) or []
-    layer = layers[layer_idx] if layer_idx is not None and layer_idx < len(layers) else None
-    if getattr(cache, "is_compileable", False) or getattr(layer, "is_compileable", False):
+    return layers[layer_idx] if layer_idx is not None and layer_idx < len(layers) else None
+
+
+def is_static(cache: Any, layer_idx: int | None) -> bool:
+    """Whether the layer's cache is pre-allocated (a StaticCache layer: keys of all max_cache_len slots)."""
+    return bool(getattr(_cache_layer(cache, layer_idx), "is_compileable", False))
+
+
+def check_cache_supported(cache: Any, layer_idx: int | None) -> None:
+    from transformers.cache_utils import StaticLayer
+
+    layer = _cache_layer(cache, layer_idx)
+    if layer is None and getattr(cache, "is_compileable", False):
+        raise ValueError(f"moba attention cannot read {type(cache).__name__}: it has no layer {layer_idx}")
+    if getattr(layer, "is_compileable", False) and (
+        not isinstance(layer, StaticLayer) or getattr(layer, "is_sliding", False)
+    ):
         raise ValueError(
-            f"moba attention needs a growing cache (DynamicCache, the default); got {type(cache).__name__} "
-            f"(StaticCache / pre-allocated caches are not supported: drop cache_implementation='static')"
+            f"moba attention takes a DynamicCache or a StaticCache's full-attention layers; layer {layer_idx} of "
+            f"{type(cache).__name__} is a {type(layer).__name__} (a sliding-window or other pre-allocated layer)"
         )
 
 
@@ -145,7 +168,9 @@ class BlockState:
     starts[b]: cache position of row b's first real token (= n while it has none); n: cache positions covered.
     """
 
-    def __init__(self, keys: torch.Tensor, block_size: int, pooling: str) -> None:
+    def __init__(self, keys: torch.Tensor, block_size: int, pooling: str, capacity: int = 0) -> None:
+        """keys: [B, Hkv, N, D], the cache the state is for (read for its shape, dtype and device); capacity:
+        tokens to allocate room for at once (a pre-allocated cache's max_cache_len), 0: grow as tokens come."""
         b, hkv, _, d = keys.shape
         self.block_size = block_size
         self.pooling = pooling
@@ -163,6 +188,8 @@ class BlockState:
         self.min_count = self.max_count = 0
         self.contiguous = True  # every row's real tokens run without a gap to the end of the cache
         self.keys_ref: weakref.ref | None = None
+        if capacity:
+            self._reserve(-(-capacity // block_size))
 
     def matches(self, keys: torch.Tensor, block_size: int, pooling: str) -> bool:
         b, hkv, _, d = keys.shape
@@ -291,10 +318,12 @@ def block_state(
     padding_mask: torch.Tensor | None,
     config: MobaConfig,
     *,
+    new: int,
     create: bool = True,
 ) -> BlockState | None:
     """This layer's state, synced to `keys` (the cache after this call's update): appended to if it was
-    `in_step` (it covered exactly the cache before the update), rebuilt from all keys otherwise.
+    `in_step` (built from the layer's keys tensor) and covering exactly the nk - `new` tokens the cache held
+    before the update, rebuilt from all keys otherwise.
     padding_mask: [B, Nk] bool or None. With create=False a missing or stale state is not (re)built."""
     kept = state.of_cache(cache) if create else state.cache_if_any(cache)
     if kept is None:
@@ -304,7 +333,7 @@ def block_state(
     if running is None and not create:
         return None
     nk = keys.shape[2]
-    fresh = running is not None and in_step and running.n <= nk
+    fresh = running is not None and in_step and running.n == nk - new
     fresh = fresh and running.matches(keys, config.block_size, config.pooling)
     if not fresh and not create:  # stale and not needed now: rebuild lazily at the next decode step
         del states[layer_idx]
@@ -312,11 +341,14 @@ def block_state(
     if not fresh:
         if running is not None:
             logger.debug("moba_hf: layer %s block state out of date; rebuilding from %d cached keys", layer_idx, nk)
-        running = BlockState(keys, config.block_size, config.pooling)
+        stored = _layer_keys(cache, layer_idx)
+        capacity = stored.shape[2] if stored is not None and is_static(cache, layer_idx) else 0
+        running = BlockState(keys, config.block_size, config.pooling, capacity)
         states[layer_idx] = running
     real = None if padding_mask is None else padding_mask[:, running.n : nk]
     running.append(keys[:, :, running.n :], real)
-    running.keys_ref = weakref.ref(keys)
+    stored = _layer_keys(cache, layer_idx)  # the cache's own tensor (keys may be a view of a StaticCache's)
+    running.keys_ref = weakref.ref(keys if stored is None else stored)
     return running
 
 
@@ -352,9 +384,14 @@ def cached_step(
     nq, nk = query.shape[2], key.shape[2]
     decode = config.decode == "moba" and nq < nk and nq <= DECODE_MAX_QUERIES and layer is not None
     decode = decode and not config.tail_queries(nq)  # a dense tail runs on the prefill path
-    running = None if layer is None else block_state(cache, layer, key, in_step, padding_mask, config, create=decode)
+    running = None
+    if layer is not None:
+        running = block_state(cache, layer, key, in_step, padding_mask, config, new=nq, create=decode)
     if not decode or running is None or not running.contiguous_rows() or running.min_count < nq:
         return None
+    if is_static(cache, layer) and not sparsity.tracking() and not needs_grad(query, key, value):
+        stored = cache.layers[layer]
+        return _static_decode(query, stored.keys, stored.values, nk, running, config, scale)
     out, selected = core.decode(
         query, (key, value), running.block_keys(), config, scale, starts=running.starts, return_selection=True
     )
@@ -365,4 +402,59 @@ def cached_step(
         )
         causal = sum(sparsity.causal_pairs(query.shape[1], nq, int(c)) for c in running.counts.tolist())
         sparsity.record(layer, attended, causal, "decode")
+    return out
+
+
+# --- a sparse step over a pre-allocated cache ---------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class StaticWindows:
+    """The sequences of a pre-allocated cache as `kernels.decode.CacheWindows`: k, v [B, Hkv, capacity, D] the
+    cache's (contiguous) tensors, each row's sequence at cache positions first .. first + length - 1. A window
+    is one contiguous run of width * D numbers, read as a row of an overlapping strided view: one `index_select`
+    per tensor copies the windows and nothing else (a [B, Hkv, written, D] view of the cache is strided: read as
+    such, it would be copied whole)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    first: int
+    length: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        b, hkv, _, d = self.k.shape
+        return (b, hkv, self.length, d)
+
+    def windows(self, start: torch.Tensor, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        b, hkv, capacity, d = self.k.shape
+        base = torch.arange(b * hkv, device=start.device).view(b, hkv, 1) * capacity + self.first
+        index = (base + start).flatten()
+        out = []
+        for t in (self.k, self.v):
+            flat = t.view(-1)
+            rows = flat.as_strided((flat.numel() // d - width + 1, width * d), (d, 1))
+            out.append(rows.index_select(0, index).view(b, hkv, -1, d).to(dtype))
+        return out[0], out[1]
+
+
+def _static_decode(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    written: int,
+    running: BlockState,
+    config: MobaConfig,
+    scale: float | None,
+) -> torch.Tensor:
+    """The sparse step over a StaticCache's tensors keys, values [B, Hkv, capacity, D], `written` slots filled,
+    each row's real tokens ending there: rows of one length in one call, left-padded rows of other lengths one by
+    one (the windowed read takes rows of one length)."""
+    block_keys = running.block_keys()
+    if running.min_count == running.max_count:
+        count = running.max_count
+        return core.decode(query, StaticWindows(keys, values, written - count, count), block_keys, config, scale)
+    out = torch.empty_like(query)
+    for row, count in enumerate(running.counts.tolist()):
+        rows = slice(row, row + 1)
+        cache = StaticWindows(keys[rows], values[rows], written - count, count)
+        out[rows] = core.decode(query[rows], cache, block_keys[rows], config, scale)
     return out

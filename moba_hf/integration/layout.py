@@ -9,6 +9,8 @@ layer receives as its `attention_mask`::
     None                      every row is one whole sequence
     bool  [B, kv_length]      padding: False marks a pad key
     int64 [B, kv_length]      packed rows: the document id of each key (no padding)
+    int8 [B, 1, 1, kv_length] a pre-allocated cache (StaticCache): each slot unwritten, a pad or real
+                              (`static_layout`); the attention reads the written slots and goes on with the above
 
 Packing rule (transformers' own): a row is packed only where transformers' mask says so -- it checks
 `position_ids` (a new document wherever the position does not advance by exactly one) only when the forward has
@@ -23,6 +25,8 @@ which runs eagerly in the attention call, treats a layout that splits nothing as
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -133,3 +137,72 @@ def sequence_spans(
         for doc in torch.unique_consecutive(ids):
             spans.append((row, positions[ids == doc]))
     return spans
+
+
+# --- pre-allocated caches (StaticCache) -----------------------------------------------------------------------------
+# A StaticCache hands every layer keys of all its max_cache_len slots, the first `written` of them filled. Its
+# layout says which: int8 [B, 1, 1, kv_length], one value per slot. Four dimensions, so that transformers passes
+# the layout `generate` prepares before a step to the forward as it is (it takes a 4-D mask as prepared), and the
+# values are computed from tensors only (the slots written follow the cache's length tensor): no host sync, one
+# shape for every step, so a compiled step traces it once.
+UNWRITTEN, PAD, REAL = 0, 1, 2
+
+
+def static_layout(
+    attention_mask: torch.Tensor | None,
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: torch.Tensor | int,
+    kv_offset: int = 0,
+    device=None,
+) -> torch.Tensor:
+    """The layout of a forward into a pre-allocated cache: int8 [B, 1, 1, kv_length], UNWRITTEN for the slots past
+    the q_offset + q_length written ones, PAD / REAL for the written ones (attention_mask [B, <= kv_offset +
+    kv_length], 0 marks a pad; None: every written key real). q_offset: the tokens the cache held before (a 0-d
+    tensor for a StaticCache, which keeps its length as one)."""
+    total = kv_offset + kv_length
+    if not isinstance(q_offset, torch.Tensor) and q_offset + q_length > total:
+        raise ValueError(
+            f"the cache holds {total} tokens (max_cache_len), the forward needs {q_offset + q_length} "
+            f"({q_offset} cached + {q_length} new): allocate a larger cache"
+        )
+    if device is None:
+        device = next((t.device for t in (attention_mask, q_offset) if isinstance(t, torch.Tensor)), None)
+    slots = torch.arange(kv_offset, total, device=device)
+    written = (slots < q_offset + q_length).to(torch.int8)  # [kv_length]
+    if attention_mask is None:
+        return (written * REAL).expand(batch_size, kv_length).reshape(batch_size, 1, 1, kv_length)
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size or attention_mask.shape[1] > total:
+        raise ValueError(
+            f"attention_mask must have shape (batch, keys) = ({batch_size}, at most {total}) with a pre-allocated "
+            f"cache of {total} slots: one column per key, the cached ones included; got shape "
+            f"{tuple(attention_mask.shape)}"
+        )
+    real = torch.nn.functional.pad(attention_mask.to(torch.bool), (0, total - attention_mask.shape[1]))
+    real = real[:, kv_offset:total].to(device=device, dtype=torch.int8)
+    return (written * (PAD + real)).reshape(batch_size, 1, 1, kv_length)
+
+
+def is_static_layout(layout: torch.Tensor | None) -> bool:
+    """Whether an attention function's mask is `static_layout`'s (no user mask is int8 and [B, 1, 1, N])."""
+    return layout is not None and layout.dim() == 4 and layout.dtype == torch.int8 and layout.shape[1:3] == (1, 1)
+
+
+# the last layout read and its answer: every layer of a forward gets the same layout tensor
+_last_static = threading.local()
+
+
+def static_keys(layout: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    """(written, padding): the slots a `static_layout` marks written (every row has as many), and the bool
+    padding mask [B, written] of the real ones, None when all are real. Reads the layout on the host (one sync:
+    the attention call runs eagerly), once per forward: the next layers get the answer kept for the same tensor."""
+    last = getattr(_last_static, "value", None)
+    if last is not None and last[0]() is layout and last[1] == layout._version:
+        return last[2]
+    rows = layout[:, 0, 0]
+    written = int((rows[0] != UNWRITTEN).sum())
+    real = rows[:, :written] == REAL
+    answer = (written, None if bool(real.all()) else real)
+    _last_static.value = (weakref.ref(layout), layout._version, answer)
+    return answer

@@ -11,7 +11,7 @@ import torch
 from .. import logs
 from ..config import MODEL_CONFIG_FIELD
 from .attention import moba_attention_forward
-from .layout import check_attention_mask, forward_layout
+from .layout import check_attention_mask, forward_layout, static_layout
 
 NAME = "moba"
 CONFIG_FIELD = "moba_config"
@@ -35,14 +35,22 @@ def moba_mask(
     cache_position = kwargs.get("cache_position")
     if q_length is None and cache_position is not None:  # older transformers pass the query positions instead
         q_length, q_offset = cache_position.shape[0], int(cache_position[0])
-    if attention_mask is not None and not isinstance(q_offset, torch.Tensor):  # without a cache kv_length is its
-        check_attention_mask(attention_mask, batch_size, q_offset + q_length)  # length: check it against the queries
-    if isinstance(q_offset, torch.Tensor) or q_offset + q_length != kv_offset + kv_length:
-        raise ValueError(
-            "moba attention needs the queries to be the newest keys (DynamicCache, the default); "
-            "StaticCache / pre-allocated caches are not supported: drop cache_implementation='static'"
-        )
     device = kwargs.get("device")
+    # a pre-allocated cache (StaticCache): keys of all kv_length slots, the first q_offset + q_length written. Its
+    # length is a tensor once it holds tokens; before, it hands over more slots than keys, with a mask (if any) of
+    # the keys only (without a cache kv_length is the mask's width, so a longer mask is refused below)
+    written = q_offset + q_length
+    if isinstance(q_offset, torch.Tensor) or (
+        written < kv_offset + kv_length and (attention_mask is None or attention_mask.shape[-1] == written)
+    ):
+        return static_layout(attention_mask, batch_size, q_length, kv_length, q_offset, kv_offset, device)
+    if attention_mask is not None:  # without a cache kv_length is its length: check it against the queries
+        check_attention_mask(attention_mask, batch_size, q_offset + q_length)
+    if q_offset + q_length != kv_offset + kv_length:
+        raise ValueError(
+            f"the forward's {q_length} new tokens after {q_offset} cached ones need {q_offset + q_length} keys; the "
+            f"cache holds {kv_offset + kv_length} (a pre-allocated cache: allocate a larger max_cache_len)"
+        )
     return forward_layout(attention_mask, mask_function, batch_size, q_length, kv_length, kv_offset, device)
 
 
