@@ -253,6 +253,82 @@ def test_float32_takes_the_in_place_path_and_bfloat16_the_windows(monkeypatch):
     assert taken == ["_one_query", "_attend_windows"]
 
 
+def _spy_paths(monkeypatch) -> list[str]:
+    """The decode paths taken (none forced), appended in call order."""
+    from moba_hf.kernels import decode as decode_kernels
+
+    taken = []
+    for name in ("_attend_in_place", "_attend_windows", "_one_query"):
+        real = getattr(decode_kernels, name)
+        monkeypatch.setattr(decode_kernels, name, lambda *a, _r=real, _n=name: taken.append(_n) or _r(*a))
+    return taken
+
+
+# (B, Hq, Hkv, Nk, Nq, D, block, top_k, pooling, sink, local, starts, path)
+PREFIX_CASES = [
+    (2, 9, 3, 203, 1, 12, 16, 3, "mean", 0, 0, None, "_one_query"),  # GQA, batch 2
+    (3, 4, 2, 111, 1, 8, 16, 5, "mean", 0, 0, [5, 5, 5], "_one_query"),  # rows left-padded alike
+    (1, 8, 8, 111, 1, 60, 16, 9, "mean", 0, 0, None, "_one_query"),  # every block: dense
+    (3, 6, 3, 45, 1, 8, 5, 3, "bound", 1, 1, [0, 3, 7], "_attend_in_place"),  # left padding of different widths
+    (3, 4, 1, 50, 2, 8, 7, 4, "mean+max", 0, 1, [0, 3, 7], "_attend_in_place"),  # one KV head
+    (2, 12, 4, 77, 8, 8, 8, 3, "mean", 0, 0, None, "_attend_in_place"),  # several queries
+    (1, 6, 2, 64, 3, 16, 8, 2, "max", 1, 0, None, "_attend_in_place"),  # batch 1
+]
+
+
+def _prefix_id(c):
+    b, hq, hkv, nk, nq, d, bs, k, pool, sink, local, starts, path = c
+    return f"B{b}-T{nk}-Q{nq}-H{hkv}-HQ{hq}-D{d}-blk{bs}-k{k}-{pool}-s{sink}l{local}-S{starts}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", PREFIX_CASES, ids=_prefix_id)
+def test_a_prefix_view_of_a_larger_cache_is_read_in_place_as_its_copy(case, dtype, monkeypatch):
+    """The written slots of a pre-allocated cache, k[:, :, :Nk] of a [B, Hkv, capacity, D] buffer: the in-place
+    paths read them where they lie (the slots after them hold NaN: a read there would show), with the very
+    result and selection of a contiguous copy."""
+    b, hq, hkv, nk, nq, d, bs, k, pool, sink, local, starts, path = case
+    gate = dict(block_size=bs, top_k=k, pooling=pool, sink_blocks=sink, local_blocks=local)
+    gen = torch.Generator().manual_seed(nk)
+    q = torch.randn(b, hq, nq, d, dtype=dtype, generator=gen)
+    buffers = [torch.full((b, hkv, nk + 13, d), float("nan"), dtype=dtype) for _ in range(2)]
+    for buf in buffers:
+        buf[:, :, :nk] = torch.randn(b, hkv, nk, d, dtype=dtype, generator=gen)
+    keys, values = (buf[:, :, :nk] for buf in buffers)
+    assert not keys.is_contiguous()
+    starts = None if starts is None else torch.tensor(starts)
+    block_keys = block_keys_from_cache(keys.contiguous(), bs, pool, starts)
+    taken = _spy_paths(monkeypatch)
+    out, chosen = moba_decode(q, keys, values, block_keys, starts=starts, return_selection=True, **gate)
+    want, want_chosen = moba_decode(
+        q, keys.contiguous(), values.contiguous(), block_keys, starts=starts, return_selection=True, **gate
+    )
+    expected = ["_one_query", "_one_query"] if path == "_one_query" else ["_attend_in_place"] * 2
+    assert taken == expected
+    assert torch.equal(chosen, want_chosen)
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("layout", ["heads interleaved", "keys and values of other capacities"])
+def test_caches_the_in_place_paths_cannot_index_are_copied(layout, monkeypatch):
+    """A cache whose (row, head) runs are not evenly spaced rows of the storage (heads interleaved), or keys and
+    values spaced differently: the windowed path, the same result."""
+    b, hq, hkv, nk, d = 2, 4, 2, 45, 8
+    q = torch.randn(b, hq, 1, d, dtype=torch.float64)
+    keys, values = torch.randn(b, hkv, nk, d, dtype=torch.float64), torch.randn(b, hkv, nk, d, dtype=torch.float64)
+    if layout == "heads interleaved":
+        strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (keys, values)]
+    else:
+        strided = [keys, torch.cat([values, torch.zeros(b, hkv, 3, d, dtype=torch.float64)], dim=2)[:, :, :nk]]
+    taken = _spy_paths(monkeypatch)
+    gate = dict(block_size=5, top_k=3)
+    out = moba_decode(q, *strided, block_keys_from_cache(keys, 5), **gate)
+    assert taken == ["_attend_windows"]
+    want = call(moba_attention_reference, q, keys, values, **gate)
+    tol = rounding_tol(torch.float64, 1, nk, d)
+    torch.testing.assert_close(out, want, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize(
     "starts, message",
     [
@@ -583,15 +659,28 @@ def test_generate_uses_sparse_decode_and_matches_stepwise_argmax(monkeypatch):
     assert torch.equal(logits[:, 12:].argmax(-1), out[:, 13:])
 
 
-def test_sparse_decode_is_tracked():
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_sparse_decode_is_tracked(kind, monkeypatch):
+    """Tracked steps record the pairs the selection attends; untracked steps do not ask for the selection."""
+    from transformers import StaticCache
+
     model = tiny_model("llama", MobaConfig(block_size=4, top_k=2))
     ids = torch.randint(0, 97, (1, 41))
-    cache = DynamicCache(config=model.config)
+    cache = (
+        DynamicCache(config=model.config) if kind == "dynamic" else StaticCache(config=model.config, max_cache_len=48)
+    )
+    asked = []
+    real = moba_cache.core.decode
+    monkeypatch.setattr(
+        moba_cache.core, "decode", lambda *a, **kw: asked.append(kw["return_selection"]) or real(*a, **kw)
+    )
     with torch.no_grad():
         model(ids[:, :40], **{CACHE: cache}, use_cache=True)
         model(ids[:, 40:41], **{CACHE: cache}, use_cache=True)  # installs the hooks' view of this cache
+        assert asked == [False, False]  # a step not tracked: no selection asked for
         with moba_hf.track_sparsity() as stats:
             model(torch.randint(0, 97, (1, 1)), **{CACHE: cache}, use_cache=True)
+    assert asked == [False, False, True, True]
     # the query at position 41 (block 10) reads its own 2 keys and one full earlier block
     assert stats.backends == {0: "decode", 1: "decode"}
     for sparsity in stats.per_layer().values():

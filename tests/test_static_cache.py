@@ -61,8 +61,8 @@ def test_static_cache_generates_as_the_dynamic_cache_and_the_full_forward(name, 
     scale = float(want_logits.abs().max())
     torch.testing.assert_close(logits, want_logits, rtol=0, atol=MODEL_TOL + 2 * F32 * scale)
     if name in SPARSE_STEPS:
-        layers, rows = model.config.num_hidden_layers, 2 if padded else 1  # rows of other lengths: one by one
-        assert (spy.decodes, spy.builds) == ((NEW - 1) * layers * rows, layers)  # sparse from the first step
+        layers = model.config.num_hidden_layers  # rows of other lengths too: one call over the written slots
+        assert (spy.decodes, spy.builds) == ((NEW - 1) * layers, layers)  # sparse from the first step
     # each step's logits are the full forward's over its prefix (decode "full": the oracle takes rows unpadded)
     if name in ("moba", "top_p") or (name == "full" and not padded):
         seq = got[:, :-1]
@@ -75,6 +75,27 @@ def test_static_cache_generates_as_the_dynamic_cache_and_the_full_forward(name, 
         full = full[:, PROMPT - 1 :]
         torch.testing.assert_close(logits.double(), full, rtol=0, atol=MODEL_TOL + F32 * float(full.abs().max()))
         assert torch.equal(full.argmax(-1), got[:, PROMPT:])
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["B1", "B2-left-padded"])
+def test_static_sparse_steps_read_the_written_slots_in_place(padded, one_thread, monkeypatch):
+    """On CPU in float64 a sparse step over a static cache is one in-place read of the written slots' prefix views
+    (rows of one length: the one-query step; left-padded rows of other lengths: the general one), no window copied."""
+    from moba_hf.kernels import decode as decode_kernels
+
+    model = _model("moba")
+    ids, mask = _prompt(padded)
+    taken = []
+    for name in ("_attend_in_place", "_attend_windows", "_one_query"):
+        real = getattr(decode_kernels, name)
+        monkeypatch.setattr(decode_kernels, name, lambda *a, _r=real, _n=name: taken.append(_n) or _r(*a))
+    real_windows = moba_cache.StaticWindows.windows
+    monkeypatch.setattr(
+        moba_cache.StaticWindows, "windows", lambda *a: taken.append("StaticWindows") or real_windows(*a)
+    )
+    _generate(model, ids, mask, cache_implementation="static")
+    steps = (NEW - 1) * model.config.num_hidden_layers
+    assert taken == ["_attend_in_place" if padded else "_one_query"] * steps
 
 
 @pytest.mark.parametrize("name", ["moba", "full"])

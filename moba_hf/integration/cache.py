@@ -15,8 +15,9 @@ from 0). Otherwise it is rebuilt once from the cache's keys.
 
 A `StaticCache` (pre-allocated: every layer's keys are [B, Hkv, max_cache_len, D], written up to the tokens seen)
 is read through its written slots only (`layout.static_layout` says how many); its block state is allocated for
-all max_cache_len tokens at once, and a sparse decode step reads the selected blocks' windows straight from the
-cache's tensors (`StaticWindows`): nothing that grows with the cache is copied.
+all max_cache_len tokens at once, and a sparse decode step reads the selected blocks straight from the cache's
+tensors (on CPU in float32 / float64 in place through the written slots' prefix views, as any cache; elsewhere
+their windows, `StaticWindows`): nothing that grows with the cache is copied.
 
 Per row, blocks are laid out over the row's real tokens (pads dropped, counted from its first real token),
 the layout the padded prefill path uses. Rows are packed only in forwards without a cache (transformers' rule,
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 
 from .. import core
 from ..config import MobaConfig
+from ..kernels import decode as decode_kernels
 from ..kernels.checks import gate_dtype, needs_grad
 from ..kernels.pooling import BlockStats
 from . import sparsity, state
@@ -389,19 +391,23 @@ def cached_step(
         running = block_state(cache, layer, key, in_step, padding_mask, config, new=nq, create=decode)
     if not decode or running is None or not running.contiguous_rows() or running.min_count < nq:
         return None
-    if is_static(cache, layer) and not sparsity.tracking() and not needs_grad(query, key, value):
+    tracking = sparsity.tracking()  # the selection is asked for only when it is recorded
+    block_keys = running.block_keys()
+    static = is_static(cache, layer) and not tracking and not needs_grad(query, key, value)
+    if static and not decode_kernels.reads_in_place(query, key, value):
+        # (on CPU in float32 / float64 the step reads the written slots' prefix views in place, as any cache's)
         stored = cache.layers[layer]
-        return _static_decode(query, stored.keys, stored.values, nk, running, config, scale)
-    out, selected = core.decode(
-        query, (key, value), running.block_keys(), config, scale, starts=running.starts, return_selection=True
+        return _static_decode(query, stored.keys, stored.values, nk, running, block_keys, config, scale)
+    out = core.decode(query, (key, value), block_keys, config, scale, starts=running.starts, return_selection=tracking)
+    if not tracking:
+        return out
+    out, selected = out
+    attended = sum(
+        sparsity.attended_pairs(selected[r : r + 1], int(running.counts[r]), config.block_size)
+        for r in range(query.shape[0])
     )
-    if sparsity.tracking():
-        attended = sum(
-            sparsity.attended_pairs(selected[r : r + 1], int(running.counts[r]), config.block_size)
-            for r in range(query.shape[0])
-        )
-        causal = sum(sparsity.causal_pairs(query.shape[1], nq, int(c)) for c in running.counts.tolist())
-        sparsity.record(layer, attended, causal, "decode")
+    causal = sum(sparsity.causal_pairs(query.shape[1], nq, int(c)) for c in running.counts.tolist())
+    sparsity.record(layer, attended, causal, "decode")
     return out
 
 
@@ -442,13 +448,14 @@ def _static_decode(
     values: torch.Tensor,
     written: int,
     running: BlockState,
+    block_keys: torch.Tensor,
     config: MobaConfig,
     scale: float | None,
 ) -> torch.Tensor:
     """The sparse step over a StaticCache's tensors keys, values [B, Hkv, capacity, D], `written` slots filled,
-    each row's real tokens ending there: rows of one length in one call, left-padded rows of other lengths one by
-    one (the windowed read takes rows of one length)."""
-    block_keys = running.block_keys()
+    each row's real tokens ending there, where the step copies windows (bfloat16, CUDA: a strided view of
+    the written slots would be copied whole): rows of one length in one call, left-padded rows of other lengths one
+    by one (the windowed read takes rows of one length)."""
     if running.min_count == running.max_count:
         count = running.max_count
         return core.decode(query, StaticWindows(keys, values, written - count, count), block_keys, config, scale)

@@ -332,8 +332,8 @@ def _common_start(starts: torch.Tensor | None) -> int | None:
 
 def _one_query(q, k, v, block_keys, start, block_size, top_k, scale, gate, return_selection):
     """`_decode` of one query per row, every row's sequence at cache positions start .. Nk - 1, fixed budget, on the
-    in-place path (CPU float32 / float64, contiguous cache, no autograd). Returns [B, Hq, 1, D] (and the selection
-    [B, Hq, 1, n_blocks] if `return_selection`).
+    in-place path (CPU float32 / float64, a cache `_row_stride` reads, no autograd). Returns [B, Hq, 1, D] (and the
+    selection [B, Hq, 1, n_blocks] if `return_selection`).
 
     Its ops run on this thread alone: a step is a fraction of a millisecond, split over threads it saves a few tens
     of microseconds, and each split op waits for its slowest thread, which on a loaded machine is a scheduler
@@ -373,8 +373,9 @@ def _one_query_here(q, k, v, block_keys, start, block_size, top_k, scale, gate, 
             gate_q = gate_queries(q.to(block_keys.dtype).reshape(b * hkv, hq // hkv, d), gate.pooling)
             pooled = block_keys.reshape(b * hkv, block_keys.shape[2], -1)[:, :nb]
             picks = _gated_picks(torch.bmm(gate_q, pooled.transpose(1, 2)).view(r, nb), lo, hi, n_pick)  # - lo
-    # row (row, head) reads rows base + position of k.view(-1, D): its KV head's keys start at head index * Nk
-    base = torch.add(start, _head_rows(b, hq, hkv, q.device), alpha=nk)  # [R, 1]
+    # row (row, head) reads rows base + position of the storage's rows: its KV head's keys start at head index * step
+    step = _row_stride(k)
+    base = torch.add(start, _head_rows(b, hq, hkv, q.device), alpha=step)  # [R, 1]
     forced = _forced_positions(lo, hi, n, block_size, q.device)  # sequence positions of the forced blocks [F]
     gated = n_pick * block_size
     cols = torch.empty(r, gated + forced.numel(), dtype=torch.long, device=q.device)
@@ -384,7 +385,7 @@ def _one_query_here(q, k, v, block_keys, start, block_size, top_k, scale, gate, 
               out=cols[:, :gated].view(r, n_pick, block_size))  # fmt: skip
     torch.add(base, forced, out=cols[:, gated:])
     nnz = cols.shape[1]
-    keys, values = k.view(-1, d), v.view(-1, d)
+    keys, values = _storage_rows(k, step), _storage_rows(v, step)
     crow = torch.arange(0, r * nnz + 1, nnz, device=q.device)
     pattern = _csr(crow, cols.view(-1), _zeros(r * nnz, q.dtype, q.device), keys.shape[0])
     scores = torch.sparse.sampled_addmm(pattern, q.reshape(r, d), keys.t(), beta=0.0, alpha=scale)
@@ -443,7 +444,7 @@ def _cached(key: tuple, make) -> torch.Tensor:
 
 
 def _head_rows(b: int, hq: int, hkv: int, device: torch.device) -> torch.Tensor:
-    """Each query row's (row, KV head) index [B * Hq, 1]: its keys are rows index * Nk .. of k.view(-1, D)."""
+    """Each query row's (row, KV head) index [B * Hq, 1]: its keys are rows index * step .. of `_storage_rows`."""
     return _cached(
         ("heads", b, hq, hkv, device),
         lambda: (torch.arange(b, device=device)[:, None] * hkv + torch.arange(hq, device=device) // (hq // hkv)).view(
@@ -473,16 +474,53 @@ def _forced_positions(lo: int, hi: int, n: int, block_size: int, device: torch.d
     return tail if lo == 0 else torch.cat([_arange(lo * block_size, device), tail])
 
 
+def reads_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a sparse step of queries q over the cache k, v [B, Hkv, Nk, D] reads the selected keys where they
+    lie, copying nothing of the cache (see `_reads_in_place`)."""
+    return _reads_in_place(q, DenseCache(k, v))
+
+
 def _reads_in_place(q: torch.Tensor, cache: DenseCache) -> bool:
-    """Whether `_attend_in_place` takes this step: CPU float32 / float64, a contiguous cache, no autograd (the
-    sparse products it uses have no bfloat16 kernels and no backward here); `_attend_windows` otherwise."""
+    """Whether `_attend_in_place` takes this step: CPU float32 / float64, k and v laid out as `_storage_rows` reads
+    them (a contiguous cache, or a prefix of one along the positions: a StaticCache's written slots), no autograd
+    (the sparse products it uses have no bfloat16 kernels and no backward here); `_attend_windows` otherwise."""
     return (
         q.device.type == "cpu"
         and q.dtype in (torch.float32, torch.float64)
-        and cache.k.is_contiguous()
-        and cache.v.is_contiguous()
+        and _row_stride(cache.k) is not None
+        and _row_stride(cache.k) == _row_stride(cache.v)
         and not needs_grad(q, cache.k, cache.v)
     )
+
+
+def _row_stride(t: torch.Tensor) -> int | None:
+    """How many rows of D numbers lie between the starts of consecutive (row, head) runs of t [B, Hkv, N, D] in its
+    storage, or None when t is not laid out as such runs: each (row, head)'s N positions one run of N * D numbers,
+    and the runs of a row's heads and of the rows evenly spaced (stride(3) == 1, stride(2) == D, stride(0) ==
+    Hkv * stride(1), strides of size-1 dims aside). A contiguous tensor has stride N; a prefix t[:, :, :n] of a
+    contiguous [B, Hkv, capacity, D] buffer has stride capacity::
+
+        storage rows   | b0 h0: 0 .. n-1  (unwritten) | b0 h1: 0 .. n-1  (unwritten) | b1 h0: ...
+                       |<------- capacity rows ------>|
+    """
+    b, hkv, n, d = t.shape
+    s0, s1, s2, s3 = t.stride()
+    if (d > 1 and s3 != 1) or (n > 1 and s2 != d):
+        return None
+    if hkv > 1:
+        if b > 1 and s0 != hkv * s1:
+            return None
+        step = s1
+    else:
+        step = s0 if b > 1 else n * d  # one run per row, or one run in all
+    return step // d if step % d == 0 else None
+
+
+def _storage_rows(t: torch.Tensor, step: int) -> torch.Tensor:
+    """t [B, Hkv, N, D] (row stride `step`, see `_row_stride`) as rows [R, D] of its storage: position p of
+    (row b, head h) is row (b * Hkv + h) * step + p. A view: nothing is copied (`t.view(-1, D)` when contiguous)."""
+    b, hkv, n, d = t.shape
+    return t.as_strided(((b * hkv - 1) * step + n, d), (d, 1))
 
 
 def _block_windows(blocks: torch.Tensor, starts: torch.Tensor | None, block_size: int, nk: int):
@@ -518,14 +556,15 @@ def _attend_in_place(q, k, v, selected, slots, starts, block_size, scale):
     used, blk = selected.to(torch.int8).topk(slots, dim=-1, sorted=False)
     win_start, first_valid, width = _block_windows(blk, _view(starts, b, 1, 1, 1), block_size, nk)
     head_row, offset, crow, zeros = _in_place_indices(b, hq, hkv, width, slots, n, q.dtype, q.device)
-    cols = ((head_row * nk + win_start)[..., None] + offset).view(n, -1)  # rows of k.view(-1, D)
+    step = _row_stride(k)  # rows of the storage between (row, head) runs: Nk, or a static cache's capacity
+    cols = ((head_row * step + win_start)[..., None] + offset).view(n, -1)  # rows of `_storage_rows`
     first_valid.masked_fill_(used == 0, width)  # a slot a row does not use: every key masked
     masked = offset < first_valid[..., None]  # [B, Hq, Nq, S, W]
     if nq > 1:  # causal inside the newest block (a single query is the last key: it sees every key)
         q_pos = nk - nq + torch.arange(nq, device=q.device)
         masked |= win_start[..., None] + offset > q_pos[:, None, None]
     masked = masked.view(n, -1)
-    keys, values = k.view(-1, d), v.view(-1, d)
+    keys, values = _storage_rows(k, step), _storage_rows(v, step)
     pattern = _csr(crow, cols.view(-1), zeros, keys.shape[0])
     scores = torch.sparse.sampled_addmm(pattern, q.reshape(n, d), keys.t(), beta=0.0).values().view(n, -1)
     probs = scores.mul_(scale).masked_fill_(masked, float("-inf")).softmax(dim=-1)
