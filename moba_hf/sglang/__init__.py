@@ -15,6 +15,8 @@ scheduler, detokenizer and data-parallel workers); it may run more than once. It
     --attention-backend choices         "moba"
     mem_cache.allocation.get_last_loc   SGLang runs a Triton kernel here unless the backend is named
                                         torch_native: for CPU tensors the plugin runs SGLang's own torch version
+    DualChunkRotaryEmbedding            what SGLang's Qwen2 builds for a dual_chunk_attention_config: with the
+                                        `moba` backend plain RoPE (`rope`), the backend runs DCA itself
 
 With no MoBA config anywhere (see `startup`) the backend is SGLang's torch-native backend, unchanged.
 """
@@ -72,8 +74,11 @@ def register() -> None:
     if NAME not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([NAME])
     if not _registered:  # SGLang applies a hook once per process; register it once
+        from . import rope
+
         _registered.append(True)
         HookRegistry.register(LAST_LOC, last_loc, HookType.AROUND)
+        HookRegistry.register(rope.TARGET, rope.PlainRotaryEmbedding, HookType.REPLACE)
 
 
 __all__ = ["LAST_LOC", "NAME", "create_backend", "last_loc", "register"]
