@@ -249,7 +249,12 @@ def test_dca_setup_resolves_as_the_transformers_path_and_refuses_what_it_cannot_
 
 @pytest.mark.parametrize(
     "device, compiled, message",
-    [("cuda", False, "runs on CPU .* this server runs on 'cuda'"), ("cpu", True, "drop --enable-torch-compile")],
+    [
+        ("xpu:0", False, r"runs on CPU .* and NVIDIA GPUs .*; this server runs on 'xpu' \(xpu:0\)"),
+        ("mps", False, "this server runs on 'mps'"),
+        ("cpu", True, "drop --enable-torch-compile"),
+        ("cuda:0", True, "drop --enable-torch-compile"),
+    ],
 )
 def test_backend_factory_refuses_what_it_cannot_run(device, compiled, message):
     from moba_hf.sglang import create_backend

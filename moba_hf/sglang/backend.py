@@ -1,4 +1,5 @@
-"""The MoBA attention backend for SGLang on CPU: SGLang's torch-native backend plus MoBA.
+"""The MoBA attention backends for SGLang: `MobaPoolMixin` before an SGLang backend; on CPU SGLang's torch-native
+backend plus MoBA (`MobaTorchNativeBackend`), on NVIDIA GPUs its Triton backend (`gpu_backend`).
 
 The KV pool, its writes and the attention of dense layers are SGLang's own; what changes is the attention of
 the layers a MobaConfig makes sparse: every sequence of an extend (a prompt, a chunk, a prompt after a
@@ -14,7 +15,7 @@ With Dual Chunk Attention every layer and token runs per sequence (`serving.Serv
 their plain-RoPE position p to ``p mod s`` before the cache write, the queries the same before they attend; dense
 layers, sparse = false and decode = "full" steps get dense DCA, the others DCA + MoBA.
 
-Without a MoBA config (see `startup`) the backend is SGLang's torch-native backend, unchanged.
+Without a MoBA config (see `startup`) the backend is SGLang's own, unchanged.
 """
 
 from __future__ import annotations
@@ -32,12 +33,14 @@ from .pool import PoolGateKeys, moba_pool
 from .startup import MobaSetupError, Setup
 
 
-class MobaTorchNativeBackend(TorchNativeAttnBackend):
-    """SGLang's torch-native attention backend with MoBA for the layers a MobaConfig makes sparse."""
+class MobaPoolMixin:
+    """Before an SGLang attention backend over a token pool (`token_to_kv_pool`: per layer (slots, kv_heads, D),
+    `req_to_token` rows): MoBA / DCA for the layers and tokens a MobaConfig covers, the backend's own attention
+    (`super()`) for the rest."""
 
     def __init__(self, model_runner: Any, setup: Setup) -> None:
         super().__init__(model_runner)
-        if self.use_sliding_window_kv_pool:
+        if getattr(self, "use_sliding_window_kv_pool", False):
             raise MobaSetupError("moba_hf: sliding-window attention cannot be combined with MoBA")
         self.moba = setup.config
         self.dense_layers = setup.dense if setup.config.sparse else None  # None: every layer dense
@@ -92,26 +95,28 @@ class MobaTorchNativeBackend(TorchNativeAttnBackend):
             self.gate_keys[layer.layer_id] = found
         return found[1]
 
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         if not self.moba_layer(layer):
-            return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
-        return self.moba_forward(q, k, v, layer, forward_batch, save_kv_cache)
+            return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        return self.moba_forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         if not self.moba_layer(layer):
-            return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
-        return self.moba_forward(q, k, v, layer, forward_batch, save_kv_cache)
+            return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        return self.moba_forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
-    def moba_forward(self, q, k, v, layer, forward_batch, save_kv_cache) -> torch.Tensor:
+    def moba_forward(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs) -> torch.Tensor:
+        given = sorted(name for name, value in kwargs.items() if value is not None)
+        if given:  # SGLang's extras for other models (attention sinks, score modifiers)
+            raise MobaSetupError(f"moba_hf: layer {layer.layer_id} passes {', '.join(given)}, which MoBA does not take")
         q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         if self.dca_delta is not None:  # keys enter the cache at p mod s, once; queries attend from there
             q_ = self.dca.move(q_, self.dca_delta)
             if k is not None:
                 k = self.dca.move(k, self.dca_delta)
         if save_kv_cache and k is not None and v is not None:  # SGLang's own cache write
-            self.token_to_kv_pool.set_kv_buffer(
-                layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
-            )
+            loc = KVWriteLoc.for_batch(forward_batch, swa_loc=getattr(self, "swa_out_cache_loc", None))
+            self.token_to_kv_pool.set_kv_buffer(layer, loc, k, v)
         o = q.new_empty((q_.shape[0], layer.tp_q_head_num * layer.v_head_dim))
         rows, lens, new = self.lists
         k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
@@ -131,3 +136,7 @@ class MobaTorchNativeBackend(TorchNativeAttnBackend):
             gate_keys=self.gate_keys_for(layer, k_buffer),
         )
         return o
+
+
+class MobaTorchNativeBackend(MobaPoolMixin, TorchNativeAttnBackend):
+    """SGLang's torch-native attention backend with MoBA for the layers a MobaConfig makes sparse."""
