@@ -9,18 +9,30 @@ A ``moba_config`` of null in the override flag turns MoBA off whatever the other
 None of them but Qwen's ``dual_chunk_attention_config`` in config.json (Qwen2.5-1M): dense DCA with its
 settings, ``MobaConfig(sparse=False)``. None at all: the plugin stays out of the way and the server's own
 attention runs.
+
+Dual Chunk Attention (`dca_resolve`, `ServedDca`): a server's model rotates q and k with plain RoPE at each token's
+index p in its sequence; the plugin's backend moves the new keys to ``p mod s`` before the server writes them to its
+cache (so the cache holds DCA keys for every later step), the queries the same before they attend, and a sequence
+longer than one chunk attends as `kernels.dual_chunk.dca_attention` (`core.attend`), dense or with MoBA::
+
+    rotated at p  --move by (p mod s) - p-->  rotated at p mod s      (keys: once, before the cache write)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+from collections.abc import Sequence
 from typing import Any
 
-from . import logs
+import torch
+
+from . import core, logs
 from .config import MobaConfig, read_config_file
 from .integration import rope_remap
-from .integration.support import check_supported
+from .integration.support import check_supported, rope_type
+from .kernels.rope import rotate
 from .options import kv_cache_dtype
 
 ENV = "MOBA_HF_CONFIG"
@@ -152,14 +164,74 @@ def dca_on(config: MobaConfig, text_config: Any) -> bool:
     return config.dca is not False and (config.dca is not None or rope_remap.qwen_dca_block(text_config) is not None)
 
 
+@dataclasses.dataclass(frozen=True)
+class ServedDca(core.Dca):
+    """`core.Dca` and the moves of a server's flat runs of new tokens to their DCA positions."""
+
+    def deltas(self, query_start_loc: Sequence[int], seq_lens: Sequence[int]) -> torch.Tensor:
+        """(tokens,) int64: how far each new token moves, from its index p in its sequence to p mod s.
+
+        The new tokens of sequence i are the last (query_start_loc[i+1] - query_start_loc[i]) of its
+        seq_lens[i] positions.
+        """
+        starts = torch.as_tensor(query_start_loc, dtype=torch.long)
+        ends = starts[1:]
+        owner = torch.repeat_interleave(torch.arange(len(ends)), ends - starts[:-1])
+        p = torch.as_tensor(seq_lens, dtype=torch.long)[owner] - ends[owner] + torch.arange(int(starts[-1]))
+        return p % self.params.chunk_size - p
+
+    def move(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """x: (tokens, heads, D) rotated at p -> rotated at p + delta (delta: (tokens,) or fewer: the first
+        len(delta) rows move, the rest, a server's padding, stays)."""
+        n = delta.shape[0]
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32  # one rounding back to x's dtype
+        moved = rotate(x[:n], delta[:, None], self.inv_freq, work).to(x.dtype)
+        return moved if n == x.shape[0] else torch.cat([moved, x[n:]])
+
+
+def dca_resolve(
+    config: MobaConfig, text_config: Any, where: str, server: str, rope_types: Sequence[str]
+) -> ServedDca | None:
+    """DCA's parameters against the model (as the transformers path resolves them), or None when off.
+
+    text_config: the language model's transformers config; server: the server's name (for messages);
+    rope_types: the rope types whose frequencies the server computes as transformers does (the moves rotate the
+    server's plain-RoPE q / k with transformers' frequencies). Refusals raise `MobaSetupError` naming `where`."""
+    if not dca_on(config, text_config):
+        return None
+    rope = rope_type(text_config)
+    if rope not in rope_types:
+        raise MobaSetupError(
+            f"moba_hf: DCA (from {where}) in {server} supports the rope types {', '.join(rope_types)}; this "
+            f"model's is {rope!r}. Serve it without DCA (dca = false) or use the transformers path"
+        )
+    try:
+        params = rope_remap.resolve(config.dca, text_config, config.block_size if config.sparse else None)
+    except ValueError as err:
+        raise MobaSetupError(f"moba_hf: DCA (from {where}): {err}") from None
+    return ServedDca(params, rope_remap.config_inv_freq(text_config))
+
+
+def dca_describe(dca: ServedDca) -> str:
+    """DCA's parameters for a server's startup line."""
+    p = dca.params
+    return (
+        f"Dual Chunk Attention: pretraining_length c={p.pretraining_length}, chunk_size s={p.chunk_size}, "
+        f"temperature {'on' if p.temperature else 'off'}"
+    )
+
+
 __all__ = [
     "ARCHITECTURES",
     "ENV",
     "QWEN_DCA_SOURCE",
     "MobaSetupError",
+    "ServedDca",
     "check_model",
     "check_serving_options",
+    "dca_describe",
     "dca_on",
+    "dca_resolve",
     "dense_layers",
     "find_config",
     "find_source",

@@ -10,7 +10,10 @@ import torch
 from test_core import spy
 
 from moba_hf import MobaConfig, core
-from moba_hf.serving import ENV, MobaSetupError
+from moba_hf.dca.config import DcaParams
+from moba_hf.kernels.dual_chunk import dca_attention
+from moba_hf.kernels.rope import default_inv_freq, rotate
+from moba_hf.serving import ENV, MobaSetupError, ServedDca
 from moba_hf.sglang import startup
 from moba_hf.sglang.pool import PoolGateKeys, moba_pool
 
@@ -57,6 +60,53 @@ def test_pool_attention_reaches_the_core_and_matches_it(monkeypatch, dense):
         got = output[start : start + nq].transpose(0, 1)[None]
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
         start += nq
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_pool_dca_attends_at_the_dca_positions(monkeypatch, sparse):
+    """What the backend does with DCA (c 32, s 24): SGLang's model rotated the new q / k at their index p, the
+    backend moves them by `ServedDca.deltas` (keys before the cache write), the pool holds earlier keys at p mod s;
+    every sequence then equals DCA over q / k rotated straight to p mod s (`kernels.dual_chunk`), the core's route
+    "dca" (dense) or "dca+moba"."""
+    c, s, d = 32, 24, 8
+    dca = ServedDca(DcaParams(pretraining_length=c, chunk_size=s), default_inv_freq(d, 1e4))
+    config = MobaConfig(block_size=8, top_k=2, sparse=sparse, decode="moba")
+    seq_lens, new = [70, 57, 33], [70, 9, 1]  # a prompt, a chunk after a cached prefix, a decode step
+    k_buffer, v_buffer, req_to_token, rows, raw_keys, values = token_pool(seq_lens)
+    raw_q = torch.randn(sum(new), 4, d, generator=torch.Generator().manual_seed(1))
+    starts = [0, 70, 79, 80]
+    delta = dca.deltas(starts, seq_lens)
+    at_p, p_mod_s = [], []
+    for row, keys, n, nq in zip(rows, raw_keys, seq_lens, new, strict=True):
+        p = torch.arange(n)[:, None]
+        slots = req_to_token[row, :n].long()
+        k_buffer[slots[: n - nq]] = rotate(keys[: n - nq], p[: n - nq] % s, dca.inv_freq)  # written by earlier steps
+        at_p.append(rotate(keys[n - nq :], p[n - nq :], dca.inv_freq))
+        p_mod_s.append(rotate(keys, p % s, dca.inv_freq))
+    new_keys = dca.move(torch.cat(at_p), delta)  # the backend's move before SGLang's cache write
+    for row, n, nq, start in zip(rows, seq_lens, new, starts[:-1], strict=True):
+        k_buffer[req_to_token[row, n - nq : n].long()] = new_keys[start : start + nq]
+    positions = torch.cat([torch.arange(n - nq, n) for n, nq in zip(seq_lens, new, strict=True)])[:, None]
+    query = dca.move(rotate(raw_q, positions, dca.inv_freq), delta)
+    output = torch.full_like(query, float("nan"))
+    calls = spy(monkeypatch)
+    moba_pool(
+        query, output, k_buffer, v_buffer, req_to_token, req_pool_indices=rows, seq_lens=seq_lens, extend_lens=new,
+        config=config, scale=None, dense=not sparse, dca=dca,
+    )  # fmt: skip
+    route = "dca+moba" if sparse else "dca"
+    assert calls == [("attend", route)] * 3  # every sequence is longer than a chunk: decode runs "dca+moba" too
+    for i, (n, nq) in enumerate(zip(seq_lens, new, strict=True)):
+        q = rotate(raw_q[starts[i] : starts[i] + nq], positions[starts[i] : starts[i] + nq] % s, dca.inv_freq)
+        k, v = p_mod_s[i].transpose(0, 1)[None], values[i].transpose(0, 1)[None]
+        moba = config.prefill_kwargs(nq) if sparse else {}
+        want = dca_attention(
+            q.transpose(0, 1)[None], k, v, pretraining_length=c, chunk_size=s, inv_freq=dca.inv_freq,
+            temperature=dca.params.temperature_factor(n), **moba,
+        )  # fmt: skip
+        # q / k moved in float32 (rotation by p, then by delta) vs rotated straight to p mod s: rounding only
+        got = output[starts[i] : starts[i] + nq].transpose(0, 1)[None]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("pooling", ["mean", "bound"])
@@ -113,16 +163,21 @@ def run_with(query, pool, rows, seq_lens, new, gate_keys, config):
     return output
 
 
-def model_config(moba_config=None, overrides=None, architectures=("LlamaForCausalLM",), **text):
-    """An SGLang ModelConfig as far as startup reads it (a small Llama config)."""
+def model_config(moba_config=None, overrides=None, architectures=("LlamaForCausalLM",), context_len=4096, **text):
+    """An SGLang ModelConfig as far as startup reads it (a small Llama config, 4096 positions)."""
     from transformers import LlamaConfig
 
+    text = {"max_position_embeddings": 4096, **text}
     hf = LlamaConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, **text)
     hf.architectures = list(architectures)
     if moba_config is not None:
         hf.moba_config = moba_config
     return types.SimpleNamespace(
-        hf_config=hf, hf_text_config=hf, model_override_args=overrides or {}, dtype=torch.float32, context_len=4096
+        hf_config=hf,
+        hf_text_config=hf,
+        model_override_args=overrides or {},
+        dtype=torch.float32,
+        context_len=context_len,
     )
 
 
@@ -159,14 +214,47 @@ def test_startup_refusals(monkeypatch):
         startup.check(ok, MobaConfig(), {"kv_cache_dtype": "bf16"}, "x", torch.float32)
     with pytest.raises(MobaSetupError, match="max_context_tokens=1024 but SGLang runs context_len=4096"):
         startup.check(ok, MobaConfig(), {"max_context_tokens": 1024}, "x", torch.float32)
-    with pytest.raises(MobaSetupError, match="Dual Chunk Attention .* is not served by the SGLang plugin"):
-        startup.check(ok, MobaConfig(dca=True), {}, "x", torch.float32)
     assert startup.check(ok, MobaConfig(full_attn_layers=1), {}, "x", torch.float32) == frozenset({3})
+    assert startup.check(ok, MobaConfig(dca=True), {}, "x", torch.float32) == frozenset()  # DCA is served
+    past = model_config(max_position_embeddings=2048)
+    with pytest.raises(MobaSetupError, match="context_len=4096 needs RoPE positions up to 4095, .*=2048"):
+        startup.check(past, MobaConfig(), {}, "x", torch.float32)
+
+
+def test_dca_setup_resolves_as_the_transformers_path_and_refuses_what_it_cannot_serve():
+    config = model_config(max_position_embeddings=4096)
+    dca = startup.dca_setup(config, MobaConfig(block_size=128, dca={"pretraining_length": 1024}), "x")
+    assert (dca.params.pretraining_length, dca.params.chunk_size) == (1024, 896)
+    assert startup.dca_setup(config, MobaConfig(), "x") is None
+    # Qwen2.5-1M's block alone (dense DCA): c = chunk_size + 1, s = chunk_size - local_size
+    qwen = model_config(
+        architectures=("Qwen2ForCausalLM",),
+        dual_chunk_attention_config={"chunk_size": 1023, "local_size": 127, "original_max_position_embeddings": 1024},
+    )
+    found = startup.resolve(qwen)
+    assert found[2] == "the checkpoint's dual_chunk_attention_config" and not found[0].sparse
+    dca = startup.dca_setup(qwen, found[0], found[2])
+    assert (dca.params.pretraining_length, dca.params.chunk_size) == (1024, 896)
+    scaled = model_config(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})
+    with pytest.raises(MobaSetupError, match="DCA .* in SGLang supports the rope types default, llama3; .* 'linear'"):
+        startup.dca_setup(scaled, MobaConfig(dca=True), "x")
+    raised = model_config(overrides={"max_position_embeddings": 1024}, max_position_embeddings=1024)
+    with pytest.raises(MobaSetupError, match="pretraining_length .* follows max_position_embeddings"):
+        startup.dca_setup(raised, MobaConfig(dca=True), "x")
+    qwen.hf_text_config.rope_parameters = {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4,
+        "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}  # fmt: skip
+    with pytest.raises(MobaSetupError, match="dual_chunk_attention_config without its rope_scaling.*'llama3'"):
+        startup.check(qwen, found[0], {}, found[2], torch.float32)
 
 
 @pytest.mark.parametrize(
     "device, compiled, message",
-    [("cuda", False, "runs on CPU .* this server runs on 'cuda'"), ("cpu", True, "drop --enable-torch-compile")],
+    [
+        ("xpu:0", False, r"runs on CPU .* and NVIDIA GPUs .*; this server runs on 'xpu' \(xpu:0\)"),
+        ("mps", False, "this server runs on 'mps'"),
+        ("cpu", True, "drop --enable-torch-compile"),
+        ("cuda:0", True, "drop --enable-torch-compile"),
+    ],
 )
 def test_backend_factory_refuses_what_it_cannot_run(device, compiled, message):
     from moba_hf.sglang import create_backend

@@ -37,11 +37,12 @@ def server_env(extra: dict[str, str | None] | None = None, log_names: Path | Non
     return {k: v for k, v in env.items() if v is not None}
 
 
-def launch_command(*args: str, port: int, max_total_tokens: int = 20000) -> list[str]:
-    """`python -m sglang.launch_server` on the embedded SmolLM2 with SERVER_ARGS, a KV pool of `max_total_tokens`
-    and `args`."""
-    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path(), "--host", "127.0.0.1",
-            "--port", str(port), *SERVER_ARGS, "--max-total-tokens", str(max_total_tokens), *args]  # fmt: skip
+def launch_command(*args: str, port: int, max_total_tokens: int = 20000, path: str | None = None) -> list[str]:
+    """`python -m sglang.launch_server` on `path` (default the embedded SmolLM2) with SERVER_ARGS, a KV pool of
+    `max_total_tokens` and `args`."""
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", path or model_path(), "--host",
+            "127.0.0.1", "--port", str(port), *SERVER_ARGS, "--max-total-tokens", str(max_total_tokens),
+            *args]  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -99,14 +100,19 @@ def flush_cache(base: str) -> None:
         pass
 
 
-def hf_generate(moba: dict | None, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """The transformers path (attn_implementation="moba", or "sdpa" for moba=None), greedy, float32."""
+def hf_generate(
+    moba: dict | None, prompts: list[list[int]], max_tokens: int, path: str | None = None, ignore_eos: bool = False
+) -> list[list[int]]:
+    """The transformers path (attn_implementation="moba", or "sdpa" for moba=None) on `path` (default the
+    embedded SmolLM2), greedy, float32; ignore_eos: max_tokens tokens whatever they are (as SGLang's)."""
     import torch
 
     import moba_hf
 
     kwargs = {"moba": moba} if moba is not None else {"attn_implementation": "sdpa"}
-    model = moba_hf.from_pretrained(model_path(), dtype=torch.float32, **kwargs).eval()
+    model = moba_hf.from_pretrained(path or model_path(), dtype=torch.float32, **kwargs).eval()
+    if ignore_eos:
+        model.generation_config.eos_token_id = None
     results = []
     with torch.inference_mode():
         for ids in prompts:

@@ -16,7 +16,8 @@ from moba_hf import MobaConfig, causal_attention
 from moba_hf.kernels import attend_plan
 from moba_hf.kernels.dual_chunk import dca_attention
 from moba_hf.kernels.rope import rotate
-from moba_hf.vllm.paged import PagedDca, PagedGateKeys, moba_paged
+from moba_hf.serving import ServedDca
+from moba_hf.vllm.paged import PagedGateKeys, moba_paged
 
 PAGE, HQ, HKV, D = 32, 6, 2, 64
 # a fresh prompt, a decode step, a chunk starting inside a MoBA block (110 = 64 + 46), a prompt after a cached
@@ -122,7 +123,7 @@ def moba_answer(config: MobaConfig, q, k, v, scale: float, *, dense: bool = Fals
     return want
 
 
-def dca_inputs(dca: PagedDca, raw_q, raw_k, seq_lens, query_lens, starts):
+def dca_inputs(dca: ServedDca, raw_q, raw_k, seq_lens, query_lens, starts):
     """What vLLM hands the backend with DCA: the new tokens' q / k rotated at their index p (vLLM's RoPE), and the
     cached keys at p mod s (written by earlier steps): (cached keys per sequence, query, new keys)."""
     cached, queries, new_k = [], [], []
@@ -134,7 +135,7 @@ def dca_inputs(dca: PagedDca, raw_q, raw_k, seq_lens, query_lens, starts):
     return cached, torch.cat(queries), torch.cat(new_k)
 
 
-def dca_answer(config: MobaConfig, dca: PagedDca, raw_q, raw_k, v, n: int, scale: float) -> torch.Tensor:
+def dca_answer(config: MobaConfig, dca: ServedDca, raw_q, raw_k, v, n: int, scale: float) -> torch.Tensor:
     """What the plugin must give one sequence with DCA: raw (unrotated) q (Nq, Hq, D), k / v (n, Hkv, D) rotated
     straight to their DCA positions (i mod s, j mod s)."""
     nq = raw_q.shape[0]
@@ -159,9 +160,9 @@ def dca_answer(config: MobaConfig, dca: PagedDca, raw_q, raw_k, v, n: int, scale
     return want
 
 
-def dca_paged_batch(dca: PagedDca, seq_lens, query_lens, empty_cache: Callable[[int], torch.Tensor], write: Writer):
+def dca_paged_batch(dca: ServedDca, seq_lens, query_lens, empty_cache: Callable[[int], torch.Tensor], write: Writer):
     """A batch as vLLM hands it to the backend with DCA (`dca_inputs`), the cached keys at p mod s and the new keys
-    moved by `PagedDca.move` and written by `write`, as `do_kv_cache_update` does. Returns the cache, block table,
+    moved by `ServedDca.move` and written by `write`, as `do_kv_cache_update` does. Returns the cache, block table,
     query_start_loc, each sequence's raw (unrotated) q, k and v, and the moved queries, moved new keys, new values."""
     kv_cache, table, starts, raw_k, values, raw_q, _, new_v = paged_batch(
         seq_lens, query_lens, empty_cache, lambda *args: None, seed=1
@@ -188,7 +189,7 @@ def check_dca_mixed_batch(case: str, empty_cache: Callable[[int], torch.Tensor],
     from moba_hf.kernels.rope import default_inv_freq
 
     config, temperature = DCA_CONFIGS[case]
-    dca = PagedDca(DcaParams(pretraining_length=C, chunk_size=S, temperature=temperature), default_inv_freq(D, 1e4))
+    dca = ServedDca(DcaParams(pretraining_length=C, chunk_size=S, temperature=temperature), default_inv_freq(D, 1e4))
     kv_cache, table, starts, raw_q, raw_k, values, query, key, value = dca_paged_batch(
         dca, DCA_SEQ_LENS, DCA_QUERY_LENS, empty_cache, write
     )

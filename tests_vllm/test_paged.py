@@ -16,8 +16,9 @@ from moba_hf.dca.config import DcaParams
 from moba_hf.kernels import attend_plan
 from moba_hf.kernels.pooling import pooled_keys
 from moba_hf.kernels.rope import default_inv_freq, rotate
+from moba_hf.serving import ServedDca
 from moba_hf.vllm import layouts, startup
-from moba_hf.vllm.paged import PagedDca, PagedGateKeys, dense_decodes, moba_paged
+from moba_hf.vllm.paged import PagedGateKeys, dense_decodes, moba_paged
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -159,7 +160,7 @@ def test_paged_dca_mixed_batch_equals_dca_per_sequence(case):
 
 
 def test_dca_deltas_follow_the_sequence_positions():
-    dca = PagedDca(DcaParams(pretraining_length=C, chunk_size=S), default_inv_freq(D, 1e4))
+    dca = ServedDca(DcaParams(pretraining_length=C, chunk_size=S), default_inv_freq(D, 1e4))
     starts = [0, 3, 4, 6]
     delta = dca.deltas(starts, [3, 100, 50])  # a prompt, a decode at position 99, two tokens at 48 and 49
     assert delta.tolist() == [0, 0, 0, 99 % S - 99, -48, -48]

@@ -11,9 +11,9 @@ Each sequence's keys are gathered from its own pages only (never the whole cache
 exactly as `moba_attention(q, k, v)` with q the last Nq of its Nk keys. MoBA's block size is independent of
 the page size: the gathered keys are contiguous positions 0..Nk-1.
 
-With Dual Chunk Attention (`PagedDca`) vLLM's model has rotated q and k at each token's index p in its
-sequence; keys move to ``p mod s`` before they are written to the cache (so the cache holds DCA keys for
-every later step), queries the same before they attend, and a sequence longer than one chunk attends as
+With Dual Chunk Attention (`serving.ServedDca`) vLLM's model has rotated q and k at each token's
+index p in its sequence; keys move to ``p mod s`` before they are written to the cache (so the cache holds DCA keys
+for every later step), queries the same before they attend, and a sequence longer than one chunk attends as
 `kernels.dual_chunk.dca_attention`, dense or with MoBA.
 """
 
@@ -29,7 +29,7 @@ from .. import core
 from ..config import MobaConfig
 from ..kernels.checks import gate_dtype
 from ..kernels.pooling import BlockStats
-from ..kernels.rope import rotate
+from ..serving import ServedDca  # the DCA moves every server plugin shares
 
 
 def gather_sequence(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
@@ -124,31 +124,6 @@ def dense_decodes(query_lens: Sequence[int], config: MobaConfig) -> list[int]:
     return [i for i, nq in enumerate(query_lens) if is_decode(nq)]
 
 
-@dataclasses.dataclass(frozen=True)
-class PagedDca(core.Dca):
-    """DCA for the paged path: `core.Dca` and the moves of vLLM's flat runs of new tokens to their DCA positions."""
-
-    def deltas(self, query_start_loc: Sequence[int], seq_lens: Sequence[int]) -> torch.Tensor:
-        """(tokens,) int64: how far each new token moves, from its index p in its sequence to p mod s.
-
-        The new tokens of sequence i are the last (query_start_loc[i+1] - query_start_loc[i]) of its
-        seq_lens[i] positions.
-        """
-        starts = torch.as_tensor(query_start_loc, dtype=torch.long)
-        ends = starts[1:]
-        owner = torch.repeat_interleave(torch.arange(len(ends)), ends - starts[:-1])
-        p = torch.as_tensor(seq_lens, dtype=torch.long)[owner] - ends[owner] + torch.arange(int(starts[-1]))
-        return p % self.params.chunk_size - p
-
-    def move(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """x: (tokens, heads, D) rotated at p -> rotated at p + delta (delta: (tokens,) or fewer: the first
-        len(delta) rows move, the rest, vLLM's padding, stays)."""
-        n = delta.shape[0]
-        work = torch.float64 if x.dtype == torch.float64 else torch.float32  # one rounding back to x's dtype
-        moved = rotate(x[:n], delta[:, None], self.inv_freq, work).to(x.dtype)
-        return moved if n == x.shape[0] else torch.cat([moved, x[n:]])
-
-
 def moba_paged(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -164,7 +139,7 @@ def moba_paged(
     scale: float,
     skip: Container[int] = (),
     dense: bool = False,
-    dca: PagedDca | None = None,
+    dca: ServedDca | None = None,
     gate_keys: PagedGateKeys | None = None,
 ) -> None:
     """Write attention of every sequence's queries into `output`, in place.
@@ -177,7 +152,7 @@ def moba_paged(
     runs on vLLM's dense kernel). dense: causal attention (with DCA: dense DCA) instead of MoBA.
     gate_keys: the pooled keys kept beside the cache (up to date for every page): decode steps (decode="moba")
     then read only their selected blocks; without it they gather their whole sequence.
-    dca: Dual Chunk Attention, with query and key already moved to p mod s (`PagedDca.move`) and the cache
+    dca: Dual Chunk Attention, with query and key already moved to p mod s (`ServedDca.move`) and the cache
     holding keys at their p mod s.
     """
     for i, length in enumerate(seq_lens):

@@ -9,7 +9,7 @@ Triton backend) is a subclass of vLLM's classes with these mixins first and a ca
                                                        (`paged.PagedGateKeys`), then only the selected
                                                        blocks, at every step whatever the sequence length
 
-With Dual Chunk Attention every layer and token runs per sequence (`paged.moba_paged` with `PagedDca`):
+With Dual Chunk Attention every layer and token runs per sequence (`paged.moba_paged` with `ServedDca`):
 `do_kv_cache_update` moves the new keys to ``p mod s`` before vLLM's cache write, and `forward` moves the
 queries the same way; dense layers and decode = "full" get dense DCA, the others DCA + MoBA.
 
@@ -30,7 +30,7 @@ from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 
 from . import startup
 from .layouts import Layout
-from .paged import PagedDca, PagedGateKeys, dense_decodes, moba_paged
+from .paged import PagedGateKeys, ServedDca, dense_decodes, moba_paged
 
 
 def platform_kind() -> str:
@@ -187,7 +187,7 @@ class MobaImplMixin:
             self._gate_keys = (kv_cache.data_ptr(), PagedGateKeys(key_cache, self.moba.block_size, self.moba.pooling))
         return self._gate_keys[1]
 
-    def _dca_on(self, device: torch.device) -> PagedDca:
+    def _dca_on(self, device: torch.device) -> ServedDca:
         # the RoPE frequencies on the cache's device (startup reads them on the CPU)
         if self.dca.inv_freq.device != device:
             self.dca = dataclasses.replace(self.dca, inv_freq=self.dca.inv_freq.to(device))

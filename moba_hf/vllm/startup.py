@@ -17,11 +17,8 @@ from typing import Any, NamedTuple
 
 from .. import logs, serving
 from ..config import MobaConfig
-from ..integration import rope_remap
-from ..integration.support import rope_type
 from ..options import KV_CACHE_DTYPES
-from ..serving import ENV, QWEN_DCA_SOURCE, MobaSetupError
-from .paged import PagedDca
+from ..serving import ENV, QWEN_DCA_SOURCE, MobaSetupError, ServedDca
 
 logger = logging.getLogger("moba_hf")
 
@@ -35,7 +32,7 @@ DCA_ROPE_TYPES = ("default", "llama3")
 class Setup(NamedTuple):
     config: MobaConfig
     dense: frozenset[int]  # layer indices of full attention
-    dca: PagedDca | None
+    dca: ServedDca | None
     where: str  # the config's source, for messages
 
 
@@ -100,23 +97,15 @@ def check(vllm_config: Any, config: MobaConfig, options: dict[str, Any], where: 
     return serving.dense_layers(config, hf_config, where)
 
 
-def dca_setup(vllm_config: Any, config: MobaConfig, where: str) -> PagedDca | None:
+def dca_setup(vllm_config: Any, config: MobaConfig, where: str) -> ServedDca | None:
     """DCA's parameters against the model (as the transformers path resolves them), or None when off;
     refuses what the paged DCA cannot serve exactly."""
     model_config = vllm_config.model_config
     hf_config = model_config.hf_text_config
-    if not serving.dca_on(config, hf_config):
+    dca = serving.dca_resolve(config, hf_config, where, "vLLM", DCA_ROPE_TYPES)
+    if dca is None:
         return None
-    rope = rope_type(hf_config)
-    if rope not in DCA_ROPE_TYPES:
-        raise MobaSetupError(
-            f"moba_hf: DCA (from {where}) in vLLM supports the rope types {', '.join(DCA_ROPE_TYPES)}; this model's "
-            f"is {rope!r}. Serve it without DCA (dca = false) or use the transformers path"
-        )
-    try:
-        resolved = rope_remap.resolve(config.dca, hf_config, config.block_size if config.sparse else None)
-    except ValueError as err:
-        raise MobaSetupError(f"moba_hf: DCA (from {where}): {err}") from None
+    resolved = dca.params
     # vLLM rotates q and k at their absolute positions from a table of max_position_embeddings rows before
     # the backend moves them; past that table the rotation has no data
     table = getattr(hf_config, "max_position_embeddings", None)
@@ -135,18 +124,12 @@ def dca_setup(vllm_config: Any, config: MobaConfig, where: str) -> PagedDca | No
             f"--hf-overrides raises to {resolved.pretraining_length}; set pretraining_length (c, the longest "
             "distance the model handles) in the DCA config"
         )
-    return PagedDca(resolved, rope_remap.config_inv_freq(hf_config))
+    return dca
 
 
-def describe(config: MobaConfig, dense: frozenset[int], where: str, dca: PagedDca | None = None) -> str:
+def describe(config: MobaConfig, dense: frozenset[int], where: str, dca: ServedDca | None = None) -> str:
     text = f"moba_hf: vLLM attention runs {config} from {where}; dense layers {sorted(dense) or 'none'}"
-    if dca is not None:
-        p = dca.params
-        text += (
-            f"; Dual Chunk Attention: pretraining_length c={p.pretraining_length}, chunk_size s={p.chunk_size}, "
-            f"temperature {'on' if p.temperature else 'off'}"
-        )
-    return text
+    return text if dca is None else f"{text}; {serving.dca_describe(dca)}"
 
 
 __all__ = [
