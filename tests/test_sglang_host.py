@@ -99,10 +99,9 @@ def test_pool_dca_attends_at_the_dca_positions(monkeypatch, sparse):
     for i, (n, nq) in enumerate(zip(seq_lens, new, strict=True)):
         q = rotate(raw_q[starts[i] : starts[i] + nq], positions[starts[i] : starts[i] + nq] % s, dca.inv_freq)
         k, v = p_mod_s[i].transpose(0, 1)[None], values[i].transpose(0, 1)[None]
-        moba = config.prefill_kwargs(nq) if sparse else {}
         want = dca_attention(
             q.transpose(0, 1)[None], k, v, pretraining_length=c, chunk_size=s, inv_freq=dca.inv_freq,
-            temperature=dca.params.temperature_factor(n), **moba,
+            temperature=dca.params.temperature_factor(n), plan=config.plan(nq) if sparse else None,
         )  # fmt: skip
         # q / k moved in float32 (rotation by p, then by delta) vs rotated straight to p mod s: rounding only
         got = output[starts[i] : starts[i] + nq].transpose(0, 1)[None]
