@@ -160,14 +160,17 @@ def flush_cache(base: str) -> None:
         pass
 
 
-def hf_generate(moba: dict | None, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """The transformers path (attn_implementation="moba", or "sdpa" for moba=None), greedy, float32."""
+def hf_generate(
+    moba: dict | None, prompts: list[list[int]], max_tokens: int, dtype: str = "float32"
+) -> list[list[int]]:
+    """The transformers path (attn_implementation="moba", or "sdpa" for moba=None), greedy, in `dtype` (the
+    server's --dtype)."""
     import torch
 
     import moba_hf
 
     kwargs = {"moba": moba} if moba is not None else {"attn_implementation": "sdpa"}
-    model = moba_hf.from_pretrained(model_path(), dtype=torch.float32, **kwargs).eval()
+    model = moba_hf.from_pretrained(model_path(), dtype=getattr(torch, dtype), **kwargs).eval()
     results = []
     with torch.inference_mode():
         for ids in prompts:
