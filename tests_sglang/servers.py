@@ -101,16 +101,22 @@ def flush_cache(base: str) -> None:
 
 
 def hf_generate(
-    moba: dict | None, prompts: list[list[int]], max_tokens: int, path: str | None = None, ignore_eos: bool = False
+    moba: dict | None,
+    prompts: list[list[int]],
+    max_tokens: int,
+    path: str | None = None,
+    ignore_eos: bool = False,
+    dtype: str = "float32",
 ) -> list[list[int]]:
     """The transformers path (attn_implementation="moba", or "sdpa" for moba=None) on `path` (default the
-    embedded SmolLM2), greedy, float32; ignore_eos: max_tokens tokens whatever they are (as SGLang's)."""
+    embedded SmolLM2), greedy, in `dtype` (the server's --dtype); ignore_eos: max_tokens tokens whatever they are
+    (as SGLang's)."""
     import torch
 
     import moba_hf
 
     kwargs = {"moba": moba} if moba is not None else {"attn_implementation": "sdpa"}
-    model = moba_hf.from_pretrained(path or model_path(), dtype=torch.float32, **kwargs).eval()
+    model = moba_hf.from_pretrained(path or model_path(), dtype=getattr(torch, dtype), **kwargs).eval()
     if ignore_eos:
         model.generation_config.eos_token_id = None
     results = []
