@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 import moba_hf
 from moba_hf import MobaConfig
+from moba_hf.integration import state
 
 # 48 tokens in blocks of 4: 12 blocks, so top_k 1 and 3 select differently; the last of 3 layers dense
 LOADED = MobaConfig(block_size=4, top_k=1, full_attn_layers=1)
@@ -118,5 +119,22 @@ def test_a_refused_apply_records_nothing(checkpoint):
     want = _state(model)
     with pytest.raises(ValueError, match="full_attn_layer_ids"):
         moba_hf.apply(model, MobaConfig(block_size=4, top_k=1, full_attn_layer_ids=(7,)))
-    assert not hasattr(model, "_moba_previous")
+    assert not state.has_before_apply(model)
     _assert_same(_state(model), want)
+
+
+def test_apply_sets_nothing_on_the_model_and_a_copy_has_no_record(checkpoint):
+    """What revert restores is kept beside the model: apply adds no attribute to it, revert restores from the
+    table, and a deep copy of an applied model (which has no record) is returned unchanged."""
+    import copy
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="sdpa", dtype=torch.float64)
+    want = _state(model)
+    names = set(vars(model))
+    moba_hf.apply(model, LOADED)
+    assert set(vars(model)) == names and state.has_before_apply(model)
+    twin = copy.deepcopy(model)
+    assert not state.has_before_apply(twin)
+    assert _state(moba_hf.revert(twin))["attn"] == "moba"
+    _assert_same(_state(moba_hf.revert(model)), want)
+    assert not state.has_before_apply(model)

@@ -14,10 +14,6 @@ from .register import CONFIG_FIELD, NAME, register
 from .rope_remap import resolve as resolve_dca
 from .support import check_supported, family_of
 
-# attribute on the model: what `revert` restores, recorded by the first `apply`:
-# (config._attn_implementation, whether config.__dict__ held a moba_config, a copy of that moba_config)
-_PREVIOUS = "_moba_previous"
-
 ConfigLike = MobaConfig | Mapping[str, Any] | str | Path | None
 
 
@@ -33,10 +29,10 @@ def apply(model: Any, config: ConfigLike = None) -> Any:
     on a model records its attention implementation and moba_config for `revert`; later ones switch settings.
     """
     moba = _validate(model, config)  # a bad config changes nothing
-    if not hasattr(model, _PREVIOUS):
+    if not state.has_before_apply(model):  # kept beside the model (`state`), never set on it
         had = CONFIG_FIELD in vars(model.config)
         previous = copy.deepcopy(vars(model.config)[CONFIG_FIELD]) if had else None
-        setattr(model, _PREVIOUS, (model.config._attn_implementation, had, previous))
+        state.record_before_apply(model, (model.config._attn_implementation, had, previous))
     return _switch(model, moba)
 
 
@@ -65,12 +61,13 @@ def revert(model: Any) -> Any:
     """Restore exactly the attention implementation and moba_config the model had before its first `apply`
     (for a model from `from_pretrained(..., moba=...)` or `attn_implementation="moba"`: the MoBA it loaded with);
     returns the model. A model `apply` never touched (or already reverted) is returned unchanged: revert is
-    idempotent, so it can close any block that may have applied. To attend densely instead, call
-    `model.set_attn_implementation("sdpa")`."""
-    if not hasattr(model, _PREVIOUS):
+    idempotent, so it can close any block that may have applied. The record is kept beside the model object, not
+    on it: a copy of an applied model (deepcopy, torch.load) has none and is returned unchanged. To attend densely
+    instead, call `model.set_attn_implementation("sdpa")`."""
+    before = state.pop_before_apply(model)
+    if before is None:
         return model
-    implementation, had, moba_config = getattr(model, _PREVIOUS)
-    delattr(model, _PREVIOUS)
+    implementation, had, moba_config = before
     remove_hooks(model)  # the KV-cache hooks apply (or moba attention's first call) installed
     state.forget_layers(model)  # resolved configs and DCA frequencies
     if had:

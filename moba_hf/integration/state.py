@@ -79,6 +79,9 @@ class _ByIdentity:
 _layers: weakref.WeakKeyDictionary[torch.nn.Module, LayerState] = weakref.WeakKeyDictionary()
 _configs = _ByIdentity()
 _caches: weakref.WeakKeyDictionary[Any, CacheState] = weakref.WeakKeyDictionary()
+# per model, what `revert` restores, recorded by its first `apply`: (config._attn_implementation, whether
+# config.__dict__ held a moba_config, a copy of that moba_config)
+_before_apply: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, bool, Any]] = weakref.WeakKeyDictionary()
 
 
 def of_layer(module: torch.nn.Module) -> LayerState:
@@ -111,3 +114,17 @@ def forget_layers(model: torch.nn.Module) -> None:
     """Drop the entries of every module of `model` (used by `revert`, after the hooks are removed)."""
     for module in model.modules():
         _layers.pop(module, None)
+
+
+def record_before_apply(model: torch.nn.Module, before: tuple[Any, bool, Any]) -> None:
+    """Keep what `revert` restores, unless the model has a record already (only its first `apply` records)."""
+    _before_apply.setdefault(model, before)
+
+
+def has_before_apply(model: torch.nn.Module) -> bool:
+    return model in _before_apply
+
+
+def pop_before_apply(model: torch.nn.Module) -> tuple[Any, bool, Any] | None:
+    """What `revert` restores, taken out of the table (None when `apply` never recorded anything)."""
+    return _before_apply.pop(model, None)
