@@ -32,10 +32,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests_sglang"))
+sys.path[:0] = [str(ROOT / "tests_sglang"), str(ROOT / "tests")]
 
 import servers  # noqa: E402  the tests' server helpers: start, stop, /generate, the transformers path
 from machine import describe  # noqa: E402  benchmarks/machine.py
+from server_helpers import free_port, model_path, prompt_ids  # noqa: E402  shared with the vLLM plugin's tests
 
 VERIFY_TOKENS, VERIFY_LENGTH = 4, 1024
 DTYPES = ("float32", "bfloat16")
@@ -61,7 +62,7 @@ def expected_tokens(setting: str, moba: dict, dtype: str) -> list[int] | None:
     from moba_hf import MobaConfig
 
     spec = MobaConfig.from_spec(config).to_dict()
-    return servers.hf_generate(spec, [servers.prompt_ids(VERIFY_LENGTH, 11)], VERIFY_TOKENS, dtype=dtype)[0]
+    return servers.hf_generate(spec, [prompt_ids(VERIFY_LENGTH, 11)], VERIFY_TOKENS, dtype=dtype)[0]
 
 
 def server_args(setting: str, moba: dict, longest: int, dtype: str) -> list[str]:
@@ -71,7 +72,7 @@ def server_args(setting: str, moba: dict, longest: int, dtype: str) -> list[str]
     config = moba_config(setting, moba)
     if config is not None:
         overrides["moba_config"] = config
-    trained = AutoConfig.from_pretrained(servers.model_path()).max_position_embeddings
+    trained = AutoConfig.from_pretrained(model_path()).max_position_embeddings
     if longest + 8 > trained:
         overrides["max_position_embeddings"] = longest + 8
     backend = "torch_native" if setting == "torch_native" else "moba"
@@ -87,18 +88,18 @@ def run_setting(
     setting: str, moba: dict, lengths: list[int], repeats: int, log_dir: Path, dtype: str, expected: list[int] | None
 ) -> dict:
     """Time to first token per length; the server's greedy tokens on the check prompt must be `expected` first."""
-    port = servers.free_port()
+    port = free_port()
     args = server_args(setting, moba, max(lengths), dtype)  # the last --dtype wins over SERVER_ARGS' float32
     command = servers.launch_command(*args, port=port, max_total_tokens=max(lengths) + 64)
     stand_ins = importlib.util.find_spec("sgl_kernel") is None
     env = servers.server_env() if stand_ins else {**os.environ, **servers.SERVER_ENV}
     result: dict = {"ttft": {}}
     with servers.server(command, env, log_dir / f"{setting}.log", port) as base:
-        got = servers.generate(base, servers.prompt_ids(VERIFY_LENGTH, 11), VERIFY_TOKENS)["tokens"]
+        got = servers.generate(base, prompt_ids(VERIFY_LENGTH, 11), VERIFY_TOKENS)["tokens"]
         if expected is not None and got != expected:
             raise SystemExit(f"{setting} ({dtype}): greedy tokens {got} != transformers' {expected}; nothing timed")
         for n in lengths:
-            ids = servers.prompt_ids(n, 12)
+            ids = prompt_ids(n, 12)
             times = []
             for r in range(repeats):
                 t = time.perf_counter()

@@ -16,17 +16,8 @@ import json
 import shutil
 
 import pytest
-from servers import (
-    flush_cache,
-    free_port,
-    generate,
-    hf_generate,
-    launch_command,
-    model_path,
-    prompt_ids,
-    server,
-    server_env,
-)
+from server_helpers import free_port, model_path, prompt_ids
+from servers import flush_cache, generate, hf_generate, launch_command, server, server_env
 
 pytestmark = pytest.mark.slow
 
