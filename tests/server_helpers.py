@@ -73,3 +73,49 @@ def stop(server: subprocess.Popen) -> None:
             continue
     with contextlib.suppress(ProcessLookupError):
         os.killpg(server.pid, signal.SIGKILL)  # what outlived the process that started them
+
+
+# Qwen's convention: c = chunk_size + 1, s = chunk_size - local_size (the transformers path's mapping)
+QWEN_DCA = {"chunk_size": 1023, "local_size": 127, "original_max_position_embeddings": 1024}
+
+
+def qwen_dca_checkpoint(path: Path, layers: int) -> str:
+    """SmolLM2's first `layers` layers saved in `path` as a Qwen2 checkpoint (zero q / k / v biases) whose config
+    carries QWEN_DCA as its dual_chunk_attention_config: what both server plugins serve with dense DCA."""
+    import json
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    source = model_path()
+    llama = AutoConfig.from_pretrained(source)
+    config = Qwen2Config(
+        vocab_size=llama.vocab_size,
+        hidden_size=llama.hidden_size,
+        intermediate_size=llama.intermediate_size,
+        num_hidden_layers=layers,
+        num_attention_heads=llama.num_attention_heads,
+        num_key_value_heads=llama.num_key_value_heads,
+        max_position_embeddings=llama.max_position_embeddings,
+        rope_parameters=dict(llama.rope_parameters),
+        rms_norm_eps=llama.rms_norm_eps,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        bos_token_id=llama.bos_token_id,
+        eos_token_id=llama.eos_token_id,
+        dual_chunk_attention_config=QWEN_DCA,
+    )
+    weights = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).state_dict()
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    missing, _ = model.load_state_dict(weights, strict=False)
+    assert all(name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")) for name in missing), missing
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("_proj.bias"):
+                param.zero_()
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{source}/{name}", path / name)
+    assert json.loads((path / "config.json").read_text())["dual_chunk_attention_config"] == QWEN_DCA
+    return str(path)

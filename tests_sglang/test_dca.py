@@ -13,10 +13,9 @@ Prompts of 2K-2.9K tokens span 3-4 DCA chunks, so every query variant (intra, su
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
-from server_helpers import free_port, model_path, prompt_ids
+from server_helpers import free_port, prompt_ids, qwen_dca_checkpoint
 from servers import flush_cache, generate, hf_generate, launch_command, server, server_env
 
 pytestmark = pytest.mark.slow
@@ -26,8 +25,6 @@ PROMPTS = [prompt_ids(2000, 11), prompt_ids(2900, 6)]
 EXTENDED = PROMPTS[0] + prompt_ids(300, 13)  # its first 2000 tokens come from the radix cache
 DCA = {"pretraining_length": 1024}
 MOBA = {"block_size": 128, "top_k": 3, "full_attn_layers": 1, "decode": "moba", "dca": DCA}
-# Qwen's convention: c = chunk_size + 1, s = chunk_size - local_size (the transformers path's mapping)
-QWEN_DCA = {"chunk_size": 1023, "local_size": 127, "original_max_position_embeddings": 1024}
 QWEN_LAYERS = 6
 SERVED = "moba_hf: SGLang attention runs"
 DCA_LINE = "Dual Chunk Attention: pretraining_length c=1024, chunk_size s=896"
@@ -59,34 +56,7 @@ def moba(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def qwen_checkpoint(tmp_path_factory):
-    """SmolLM2's first layers as a Qwen2 checkpoint (zero q / k / v biases) with a dual_chunk_attention_config."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    source = model_path()
-    llama = AutoConfig.from_pretrained(source)
-    config = Qwen2Config(
-        vocab_size=llama.vocab_size, hidden_size=llama.hidden_size, intermediate_size=llama.intermediate_size,
-        num_hidden_layers=QWEN_LAYERS, num_attention_heads=llama.num_attention_heads,
-        num_key_value_heads=llama.num_key_value_heads, max_position_embeddings=llama.max_position_embeddings,
-        rope_parameters=dict(llama.rope_parameters), rms_norm_eps=llama.rms_norm_eps, tie_word_embeddings=True,
-        use_sliding_window=False, bos_token_id=llama.bos_token_id, eos_token_id=llama.eos_token_id,
-        dual_chunk_attention_config=QWEN_DCA,
-    )  # fmt: skip
-    weights = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).state_dict()
-    model = Qwen2ForCausalLM(config).to(torch.float32)
-    missing, _ = model.load_state_dict(weights, strict=False)
-    assert all(name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")) for name in missing), missing
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("_proj.bias"):
-                param.zero_()
-    path = tmp_path_factory.mktemp("qwen_dca")
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{source}/{name}", path / name)
-    assert json.loads((path / "config.json").read_text())["dual_chunk_attention_config"] == QWEN_DCA
-    return str(path)
+    return qwen_dca_checkpoint(tmp_path_factory.mktemp("qwen_dca"), QWEN_LAYERS)
 
 
 @pytest.fixture(scope="module")
