@@ -108,7 +108,7 @@ def timed_pair(first, second, repeats: int, warmup: int = 3) -> tuple[list[float
 def read_limit(moba: MobaConfig, context: int) -> float:
     """context / the most keys a decode step reads (its own block, top_k - 1 gated, the sink and local blocks)."""
     blocks = moba.top_k + moba.sink_blocks + moba.local_blocks
-    return context / min(context, blocks * moba.block_size)
+    return round(context / min(context, blocks * moba.block_size), 2)
 
 
 def thread_settings(names: list[str]) -> list[tuple[str, int]]:
@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> None:
                     rows.append(
                         {"bench": "op", **setting_fields(name, settings[name]), "context": context,
                          "threads": label, "load": load_name, **timing_fields(t_moba, t_sdpa),
-                         "read_limit": round(read_limit(settings[name], context), 2), "check": f"{case.error:.1e}"}
+                         "read_limit": read_limit(settings[name], context), "check": f"{case.error:.1e}"}
                     )  # fmt: skip
                     print(rows[-1], flush=True)
     torch.set_num_threads(threads[0][1])
