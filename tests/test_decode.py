@@ -178,6 +178,22 @@ def test_one_query_step_equals_the_reference_and_the_general_path(case, dtype, m
     torch.testing.assert_close(out, general, rtol=tol, atol=tol)
 
 
+def test_one_query_step_leaves_the_thread_setting_alone(monkeypatch):
+    """torch's intra-op thread count is partly process-wide (a thread started meanwhile takes it as its default):
+    the step runs on the caller's threads and never sets them, with two threads as with one."""
+    q = torch.randn(1, 4, 1, 8)
+    keys, values = torch.randn(1, 2, 90, 8), torch.randn(1, 2, 90, 8)
+    taken = force_path(monkeypatch, "one_query")
+    before, set_threads, changed = torch.get_num_threads(), torch.set_num_threads, []
+    set_threads(2)
+    try:
+        monkeypatch.setattr(torch, "set_num_threads", changed.append)
+        moba_decode(q, keys, values, block_keys_from_cache(keys, 8), block_size=8, top_k=3)
+    finally:
+        set_threads(before)
+    assert taken == ["_one_query"] and changed == []
+
+
 @pytest.mark.parametrize("top_k", [2, 3, 5])
 @pytest.mark.parametrize("poison", [None, float("nan"), float("inf"), float("-inf")])
 def test_one_query_step_breaks_ties_as_the_general_path(poison, top_k, monkeypatch):

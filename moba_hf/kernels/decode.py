@@ -333,25 +333,8 @@ def _common_start(starts: torch.Tensor | None) -> int | None:
 def _one_query(q, k, v, block_keys, start, block_size, top_k, scale, gate, return_selection):
     """`_decode` of one query per row, every row's sequence at cache positions start .. Nk - 1, fixed budget, on the
     in-place path (CPU float32 / float64, a cache `_row_stride` reads, no autograd). Returns [B, Hq, 1, D] (and the
-    selection [B, Hq, 1, n_blocks] if `return_selection`).
-
-    Its ops run on this thread alone: a step is a fraction of a millisecond, split over threads it saves a few tens
-    of microseconds, and each split op waits for its slowest thread, which on a loaded machine is a scheduler
-    time slice (milliseconds). The setting is this thread's own (OpenMP), restored after the step."""
-    threads = torch.get_num_threads()
-    if threads == 1 or not _ONE_THREAD:
-        return _one_query_here(q, k, v, block_keys, start, block_size, top_k, scale, gate, return_selection)
-    torch.set_num_threads(1)
-    try:
-        return _one_query_here(q, k, v, block_keys, start, block_size, top_k, scale, gate, return_selection)
-    finally:
-        torch.set_num_threads(threads)
-
-
-_ONE_THREAD = True
-
-
-def _one_query_here(q, k, v, block_keys, start, block_size, top_k, scale, gate, return_selection):
+    selection [B, Hq, 1, n_blocks] if `return_selection`). Runs on the caller's threads, as `_attend_in_place`:
+    the thread setting is the caller's (process-wide in part), never changed here."""
     b, hq, _, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     n = nk - start
