@@ -8,6 +8,7 @@ file's, the reference MoBA code's); `read_config` / `read_config_file` here buil
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import logging
@@ -302,13 +303,63 @@ class MobaConfig:
 
 
 # --- `moba_config` in a model's config ---------------------------------------------------------------------------
+def _refused(*args: Any, **kwargs: Any) -> None:
+    raise TypeError(
+        "moba_config is read-only: assign new settings instead, e.g. model.config.moba_config = "
+        "{**model.config.moba_config, 'top_k': 4}, or call moba_hf.apply(model, MobaConfig(...))"
+    )
+
+
+class MobaSettings(dict):
+    """The settings a model config stores (`MODEL_CONFIG_FIELD`): a plain dict of every MobaConfig field for JSON,
+    `print` and `==`, that refuses edits in place. A host resolves the settings once and keeps its answer until a
+    new value is assigned (`model.config.moba_config = ...` or `moba_hf.apply`), so an edit in place would
+    otherwise go unseen."""
+
+    def __init__(self, settings: Mapping[str, Any]) -> None:
+        super().__init__({k: _read_only(v) for k, v in settings.items()})
+
+    __setitem__ = __delitem__ = __ior__ = update = setdefault = pop = popitem = clear = _refused
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickle rebuilds it whole (never item by item)
+        return MobaSettings, (dict(self),)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> dict[str, Any]:
+        # plain: transformers edits its copies (`to_dict`); a copied model config stores it anew on first use
+        return {k: copy.deepcopy(v, memo) for k, v in self.items()}
+
+
+class _ReadOnlyList(list):
+    """A list inside `MobaSettings` (`full_attn_layer_ids`): equal to the plain list, refusing edits."""
+
+    def __init__(self, items: Sequence[Any]) -> None:
+        super().__init__(_read_only(v) for v in items)
+
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _refused
+    append = extend = insert = pop = remove = clear = sort = reverse = _refused
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _ReadOnlyList, (list(self),)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> list[Any]:
+        return [copy.deepcopy(v, memo) for v in self]
+
+
+def _read_only(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return MobaSettings(value)
+    if isinstance(value, list):
+        return _ReadOnlyList(value)
+    return value
+
+
 def _get_settings(model_config: Any) -> Any:
     return vars(model_config).get("moba_config")
 
 
 def _set_settings(model_config: Any, value: Any) -> None:
     try:
-        value = None if value is None else MobaConfig.from_spec(value).to_dict()
+        value = None if value is None else MobaSettings(MobaConfig.from_spec(value).to_dict())
     except ValueError:
         # kept as given: transformers' and vLLM's config loaders set it before moba_hf's checks run, and those
         # refuse it naming where it came from (the first forward, `apply`, the vLLM plugin's setup error)
@@ -327,8 +378,9 @@ MODEL_CONFIG_FIELD = property(
     _get_settings,
     _set_settings,
     _del_settings,
-    doc="""The MoBA settings a transformers model config carries: a plain dict of every MobaConfig field, or None.
-    A MobaConfig, a mapping, a preset name or a file set here is resolved at once and stored as its values, so
+    doc="""The MoBA settings a transformers model config carries: a read-only dict of every MobaConfig field
+    (`MobaSettings`), or None. A MobaConfig, a mapping, a preset name or a file set here is resolved at once and
+    stored as its values, so
     `print(config)` and `save_pretrained` write the settings themselves: a saved checkpoint keeps its attention
     when a preset changes later. `MobaConfig.from_dict(config.moba_config)` gives the MobaConfig. A value that
     does not resolve is kept as given, for the checks of whoever runs the model to refuse by name.""",

@@ -130,8 +130,8 @@ def test_revert_restores_previous_implementation():
 
 
 def test_config_is_checked_once_per_change_not_per_layer_and_token(monkeypatch):
-    """The support check (with the moba_config parse behind it) runs again only when the config changed; a change,
-    in place or not, is seen by the next forward."""
+    """The support check (with the moba_config parse behind it) runs again only when moba_config is assigned anew;
+    an edit in place is refused by name, so none goes unseen."""
     from moba_hf.integration import attention
 
     checks = []
@@ -143,14 +143,56 @@ def test_config_is_checked_once_per_change_not_per_layer_and_token(monkeypatch):
     with torch.no_grad():
         model.generate(ids, max_new_tokens=6, do_sample=False)  # 6 forwards x 3 layers
     assert len(checks) == 1
-    model.config.moba_config["top_k"] = 1  # edited in place
+    with pytest.raises(TypeError, match=r"moba_config is read-only: assign new settings"):
+        model.config.moba_config["top_k"] = 1
+    with pytest.raises(TypeError, match="read-only"):
+        model.config.moba_config["full_attn_layer_ids"] = [0]
+    assert model.config.moba_config["top_k"] == 2
+    model.config.moba_config = {**model.config.moba_config, "top_k": 1}
     with torch.no_grad():
         model(ids)
     assert len(checks) == 2
     assert {attention.resolved_config(m).moba.top_k for m in model.modules() if hasattr(m, "layer_idx")} == {1}
-    model.config.use_bidirectional_attention = True
+    model.config.use_bidirectional_attention = True  # the model's other fields are read with the settings
+    model.config.moba_config = MobaConfig(block_size=4, top_k=2)
     with pytest.raises(ValueError, match="use_bidirectional_attention=True"):
         model(ids)
+    with pytest.raises(ValueError, match="use_bidirectional_attention=True"):
+        moba_hf.apply(model, MobaConfig(block_size=4, top_k=2))
+
+
+def test_settings_stored_past_the_property_are_stored_anew_read_only():
+    """A plain dict put into the config's __dict__ (a config made before moba_hf was imported) is resolved once and
+    stored back read-only, so a later edit is refused instead of going unseen."""
+    model = tiny_model("llama", moba=MobaConfig(block_size=4, top_k=2))
+    vars(model.config)["moba_config"] = {"block_size": 4, "top_k": 1}
+    model(torch.randint(0, 97, (1, 12)))
+    assert model.config.moba_config["top_k"] == 1
+    with pytest.raises(TypeError, match="read-only"):
+        model.config.moba_config["top_k"] = 3
+
+
+def test_stored_settings_save_copy_and_pickle_as_their_values(tmp_path):
+    """Pickled, the settings stay read-only; deep-copied (transformers edits its copies when saving) they are
+    plain, and a copied config stores them read-only again on its first forward."""
+    import copy
+    import json
+    import pickle
+
+    model = tiny_model("llama", moba=MobaConfig(block_size=4, top_k=2, full_attn_layer_ids=[0]))
+    settings = model.config.moba_config
+    unpickled = pickle.loads(pickle.dumps(settings))
+    assert unpickled == settings and type(unpickled) is type(settings)
+    with pytest.raises(TypeError, match="read-only"):
+        unpickled["full_attn_layer_ids"].append(1)
+    copied = copy.deepcopy(model)
+    assert type(copied.config.moba_config) is dict and copied.config.moba_config == settings
+    copied(torch.randint(0, 97, (1, 12)))
+    with pytest.raises(TypeError, match="read-only"):
+        copied.config.moba_config["top_k"] = 3
+    model.save_pretrained(tmp_path)
+    want = MobaConfig(block_size=4, top_k=2, full_attn_layer_ids=[0]).to_dict()
+    assert json.loads((tmp_path / "config.json").read_text())["moba_config"] == want
 
 
 def test_apply_installs_and_revert_removes_what_moba_adds():

@@ -7,19 +7,17 @@ rows are split into their sequences so blocks never mix tokens of different sequ
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import json
 import logging
 import weakref
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from .. import core, logs
-from ..config import MobaConfig
+from ..config import MobaConfig, MobaSettings
 from ..dca.config import DcaParams
 from ..kernels import resolve_backend
 from ..kernels.checks import needs_grad
@@ -37,8 +35,8 @@ def _parse(serialized: str) -> MobaConfig:
 def moba_config_of(model_config: Any) -> MobaConfig:
     """The MobaConfig stored in a model's config (defaults, logged once, if there is none).
 
-    A preset name or file path given as `moba_config=` to `from_pretrained` is resolved here once and stored
-    back as a dict, so `save_pretrained` writes the values themselves."""
+    Settings stored past `config.MODEL_CONFIG_FIELD` (a preset name, a file path, a plain dict) are resolved here
+    once and stored back as read-only values, so `save_pretrained` writes the values themselves."""
     raw = getattr(model_config, "moba_config", None)
     if raw is None:
         logs.once(
@@ -50,54 +48,35 @@ def moba_config_of(model_config: Any) -> MobaConfig:
             MobaConfig(),
         )
         return MobaConfig()
-    if isinstance(raw, MobaConfig):
-        return raw
-    if isinstance(raw, (str, Path)):
-        config = MobaConfig.from_spec(raw)
-        model_config.moba_config = config.to_dict()
-        return config
-    return _parse(json.dumps(raw, sort_keys=True))
+    if isinstance(raw, MobaSettings):
+        return _parse(json.dumps(raw, sort_keys=True))
+    # anything else (set before moba_hf was imported, or past the property) is stored anew, read-only, so the
+    # resolved config sees every later change (`ResolvedConfig.holds_for`)
+    config = MobaConfig.from_spec(raw)
+    model_config.moba_config = config.to_dict()
+    return config
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ResolvedConfig:
     """What the attention function takes from a model config: worked out (and checked) once, then reused by every
-    layer and step while the config's attributes still equal `snapshot`, a copy taken after the checks (any
-    change to the config, its moba_config or its attention implementation, in place or not, checks again)."""
+    layer and step until the config's `moba_config` is assigned anew (`model.config.moba_config = ...`,
+    `moba_hf.apply`). The stored settings are read-only (`config.MobaSettings`), so no edit goes unseen; the
+    model's other fields are read then too, as transformers' modules read them when the model is built."""
 
     config_ref: weakref.ref
-    snapshot: dict[str, Any]
+    settings: Any  # the `moba_config` value this was resolved from (compared by identity)
     moba: MobaConfig
     full_layers: frozenset[int]  # layers that keep full attention
     dca: DcaParams | None  # None: DCA is off
 
     def holds_for(self, model_config: Any) -> bool:
-        if self.config_ref() is not model_config:
-            return False
-        try:  # one C-level dict comparison; == takes identical values as equal without calling their __eq__
-            return _attributes(model_config) == self.snapshot
-        except Exception:  # noqa: BLE001 - a new value whose == cannot answer (e.g. a tensor): check again
-            return False
+        return self.config_ref() is model_config and _settings(model_config) is self.settings
 
 
-def _attributes(model_config: Any) -> dict[str, Any]:
-    # the plain __dict__, past the config classes' own (Python-level) attribute lookup
-    return object.__getattribute__(model_config, "__dict__")
-
-
-def _snapshot(attributes: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a config's attributes that equals them until one changes: a deep copy of each value, or the value
-    itself where its copy does not compare equal to it (an object without ==: then a replacement is seen, an edit
-    inside it is not)."""
-    snapshot = {}
-    for name, value in attributes.items():
-        try:
-            copied = copy.deepcopy(value)
-            same = bool(copied == value)
-        except Exception:  # noqa: BLE001 - not copyable, or == gives no single answer (a tensor)
-            same = False
-        snapshot[name] = copied if same else value
-    return snapshot
+def _settings(model_config: Any) -> Any:
+    # the stored value itself, past the config classes' own (Python-level) attribute lookup
+    return object.__getattribute__(model_config, "__dict__").get("moba_config")
 
 
 def resolved_config(module: torch.nn.Module) -> ResolvedConfig:
@@ -121,11 +100,10 @@ def resolved_config(module: torch.nn.Module) -> ResolvedConfig:
 
 def _resolve(model_config: Any) -> ResolvedConfig:
     check_supported(model_config)
-    config = moba_config_of(model_config)  # may store a preset's values back into the config: copy after
+    config = moba_config_of(model_config)  # may store a preset's values back into the config: read after
     full_layers = config.full_layer_set(model_config.num_hidden_layers)
     dca = rope_remap.resolve(config.dca, model_config, config.block_size if config.sparse else None)
-    snapshot = _snapshot(_attributes(model_config))
-    return ResolvedConfig(weakref.ref(model_config), snapshot, config, full_layers, dca)
+    return ResolvedConfig(weakref.ref(model_config), _settings(model_config), config, full_layers, dca)
 
 
 # under torch.compile each call runs eagerly (a graph break per layer): the per-sequence work is Python (see docs)
