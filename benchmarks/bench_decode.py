@@ -90,16 +90,21 @@ def timing_fields(t_moba: list[float], t_sdpa: list[float]) -> dict[str, float]:
     }
 
 
-def timed_pair(first, second, repeats: int, warmup: int = 3) -> tuple[list[float], list[float]]:
-    """Alternate the two calls so both see the same machine load."""
+def timed_pair(first, second, repeats: int, warmup: int = 3, sync=None) -> tuple[list[float], list[float]]:
+    """Alternate the two calls so both see the same machine load; `sync` (e.g. torch.cuda.synchronize) ends each
+    timed call on a device that runs asynchronously."""
     for _ in range(warmup):
         first()
         second()
     times: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeats):
         for fn, out in ((first, times[0]), (second, times[1])):
+            if sync is not None:
+                sync()
             t = time.perf_counter()
             fn()
+            if sync is not None:
+                sync()
             out.append(time.perf_counter() - t)
     return times
 
@@ -126,12 +131,14 @@ def thread_settings(names: list[str]) -> list[tuple[str, int]]:
 
 
 class OpCase:
-    """One layer's decode step over a cache of `context` keys, checked against the reference."""
+    """One layer's decode step over a cache of `context` keys (float32, on `device`, `heads` = (query heads, KV
+    heads, head dim)), checked against the reference."""
 
-    def __init__(self, moba: MobaConfig, context: int) -> None:
+    def __init__(self, moba: MobaConfig, context: int, device: str = "cpu", heads=(HEADS, KV_HEADS, HEAD_DIM)) -> None:
+        hq, hkv, d = heads
         gen = torch.Generator().manual_seed(context)
-        self.q = torch.randn(1, HEADS, 1, HEAD_DIM, generator=gen)
-        self.k, self.v = (torch.randn(1, KV_HEADS, context, HEAD_DIM, generator=gen) for _ in range(2))
+        self.q = torch.randn(1, hq, 1, d, generator=gen).to(device)
+        self.k, self.v = (torch.randn(1, hkv, context, d, generator=gen).to(device) for _ in range(2))
         self.plan = moba.plan(1)  # a decode step's
         self.new_key = self.k[:, :, -1:]
         state = moba_cache.BlockState(self.k, moba.block_size, moba.pooling)
@@ -143,7 +150,7 @@ class OpCase:
         self.state.append(self.new_key, None)  # the exact cache: pooled keys of all `context` keys
         got = decode_plan(self.q, self.k, self.v, self.state.block_keys(), self.plan)
         want = moba_attention_reference(self.q, self.k, self.v, self.plan)
-        tol = 2 * (self.k.shape[2] + HEAD_DIM) * torch.finfo(torch.float32).eps  # rounding of the sums
+        tol = 2 * (self.k.shape[2] + self.k.shape[3]) * torch.finfo(torch.float32).eps  # rounding of the sums
         error = float((got - want).abs().max())
         if not error <= tol:
             raise AssertionError(f"decode_plan differs from the reference by {error:.2e} (> {tol:.2e})")
@@ -180,7 +187,8 @@ def filled_cache(model, kind: str, context: int, capacity: int, seed: int = 0):
         cache = StaticCache(config=cfg, max_cache_len=capacity)
     shape = (1, cfg.num_key_value_heads, context, cfg.hidden_size // cfg.num_attention_heads)
     for layer in range(cfg.num_hidden_layers):
-        cache.update(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen), layer)
+        k, v = (torch.randn(shape, generator=gen).to(model.device, model.dtype) for _ in range(2))
+        cache.update(k, v, layer)
     return cache
 
 
@@ -191,16 +199,18 @@ class ModelDecode:
     def __init__(self, model, forward, kind: str, context: int, steps: int) -> None:
         self.forward = forward
         self.cache = filled_cache(model, kind, context, context + steps)
-        self.token = torch.tensor([[7]])
+        self.device = model.device
+        self.token = torch.tensor([[7]], device=self.device)
         self.position = context
         self.tokens: list[int] = []
 
     def step(self) -> None:
+        """One step, finished when it returns: the next token is read back (a device sync on a GPU)."""
+        position = torch.tensor([[self.position]], device=self.device)
         with torch.no_grad():
             out = self.forward(
-                input_ids=self.token, position_ids=torch.tensor([[self.position]]),
-                **{_cache_keyword(): self.cache}, use_cache=True,
-            )  # fmt: skip
+                input_ids=self.token, position_ids=position, **{_cache_keyword(): self.cache}, use_cache=True
+            )
         self.token = out.logits[:, -1:].argmax(-1)
         self.position += 1
         self.tokens.append(int(self.token))

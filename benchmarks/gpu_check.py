@@ -10,6 +10,10 @@
    naively in bf16 (+1e-4).
 2. Time (bf16, B=1, Hq=32, Hkv=8, D=128) forward: N=128K (block 512, top 3) and N=1M (block 4096, top 12) vs
    `scaled_dot_product_attention(is_causal=True)`, CUDA events, min/median over repeats.
+3. Decode steps (float32, block 512 / top 3, `decode = "moba"`; `bench_decode.py`'s cases on the GPU): one layer's
+   step (Hq=32, Hkv=8, D=128) vs SDPA over the same cache, checked against the reference first; and whole-model
+   steps of a SmolLM2-shaped Llama with random weights (nothing is downloaded) over a `StaticCache` on both sides,
+   eager and under `torch.compile`, every cache kind's greedy tokens checked equal first.
 Every case runs in its own try/except and the script stops starting new cases after --budget seconds, so a
 failure or a slow backend costs only its own row. Writes gpu_check.csv and gpu_check.md into --out.
 """
@@ -26,6 +30,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -133,6 +138,111 @@ def serve_check(out_dir: Path, timeout: float) -> list[str]:
     return lines
 
 
+DECODE_SHAPE = (32, 8, 128)  # the op rows' query heads, KV heads, head dim
+SMOLLM2_SHAPE = dict(  # SmolLM2-135M's architecture, for the model rows (random weights)
+    hidden_size=576,
+    intermediate_size=1536,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    vocab_size=49152,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
+)
+
+
+def smollm2_shaped(layers: int, positions: int, device: str, moba: Any) -> dict[str, torch.nn.Module]:
+    """{"moba": ..., "sdpa": ...}: one SmolLM2-shaped Llama with random weights (nothing is downloaded), float32,
+    with SDPA, and a copy with `moba` applied."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import moba_hf
+
+    config = LlamaConfig(**SMOLLM2_SHAPE, num_hidden_layers=layers, max_position_embeddings=positions)
+    torch.manual_seed(0)
+    sdpa_model = LlamaForCausalLM(config).to(device).eval()
+    sdpa_model.config._attn_implementation = "sdpa"
+    return {"moba": moba_hf.apply(copy.deepcopy(sdpa_model), moba), "sdpa": sdpa_model}
+
+
+def decode_check(args: argparse.Namespace, device: str) -> tuple[list[str], list[dict]]:
+    """Section 3's markdown lines and CSV rows; a case that fails, or starts after --decode-budget seconds, costs
+    only its own row. Runs on any device (`--device cpu`: a dry run with small sizes)."""
+    import bench_decode as bd
+
+    deadline = time.time() + args.decode_budget
+    repeats, new_tokens, rounds, layers = args.repeats * 10, 4, 2, args.decode_layers
+    moba = bd.setting("default", 512, 3)
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    lines = ["## Decode steps, float32, block 512 / top 3, decode = moba (ratio = SDPA / MoBA, median)", ""]
+    lines += [
+        "| step | context | MoBA min/med ms | SDPA min/med ms | ratio | read limit |",
+        "|---|---|---|---|---|---|",
+    ]
+    rows = []
+
+    def add(bench: str, context: int, times: tuple[list[float], list[float]]) -> None:
+        row = {
+            "bench": bench,
+            "context": context,
+            **bd.timing_fields(*times),
+            "read_limit": bd.read_limit(moba, context),
+        }
+        rows.append(row)
+        print(row, flush=True)
+        lines.append(
+            f"| {bench} | {context} | {row['moba_min_ms']}/{row['moba_median_ms']} | {row['sdpa_min_ms']}/"
+            f"{row['sdpa_median_ms']} | {row['speedup_median']} | {row['read_limit']} |"
+        )
+
+    def failed(bench: str, context: int, what: str) -> None:
+        lines.append(f"| {bench} | {context} | {what} | | | |")
+
+    for context in args.decode_op_contexts:
+        if time.time() > deadline:
+            failed("op", context, "skipped: over the time budget")
+            continue
+        try:
+            case = bd.OpCase(moba, context, device, DECODE_SHAPE)  # checked against the reference here
+            add("op", context, bd.timed_pair(case.moba, case.sdpa, repeats, sync=sync))
+        except Exception as err:  # noqa: BLE001 - report and go on
+            traceback.print_exc()
+            failed("op", context, f"FAILED: {type(err).__name__}: {str(err)[:100]}")
+        case = None
+
+    models = None  # built at the first model case: a failure there costs the model rows only
+    caches = ["static", "compiled"]
+    for context in args.decode_model_contexts:
+        if time.time() > deadline:
+            failed("model", context, "skipped: over the time budget")
+            continue
+        try:
+            if models is None:
+                models = smollm2_shaped(args.decode_layers, max(args.decode_model_contexts) + 16, device, moba)
+                forwards = {label: bd.model_forwards(model, caches) for label, model in models.items()}
+            moba_model, sdpa_model = models["moba"], models["sdpa"]
+            for label, model in models.items():
+                tokens = bd.check_model_tokens(forwards[label], model, context, new_tokens)
+                print(f"check model {context} {label}: static and compiled steps give tokens {tokens}", flush=True)
+            for kind in caches:
+                times = bd.model_step_times(
+                    forwards["moba"][kind],
+                    forwards["sdpa"][kind],
+                    (moba_model, sdpa_model),
+                    kind,
+                    context,
+                    new_tokens,
+                    rounds,
+                )
+                add(f"model {layers} layers, {kind}", context, times)
+        except Exception as err:  # noqa: BLE001
+            traceback.print_exc()
+            failed("model", context, f"FAILED: {type(err).__name__}: {str(err)[:100]}")
+    return lines, rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
@@ -140,11 +250,21 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--budget", type=float, default=150.0, help="no new case starts after this many seconds")
     p.add_argument("--serve-timeout", type=float, default=300.0, help="seconds for the serving check (0: skip it)")
+    p.add_argument("--decode-op-contexts", type=int, nargs="*", default=[16384, 131072])
+    p.add_argument("--decode-model-contexts", type=int, nargs="*", default=[16384])
+    p.add_argument("--decode-layers", type=int, default=30, help="the model rows' layers (SmolLM2 has 30)")
+    p.add_argument("--decode-budget", type=float, default=240.0, help="no new decode case after this many seconds")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a dry run of the decode section")
     args = p.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     lines = [f"# GPU check ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", ""]
+    if args.device == "cpu":
+        decode_lines, _ = decode_check(args, "cpu")
+        (out_dir / "gpu_check.md").write_text("\n".join([*lines, *decode_lines]) + "\n")
+        print("\n".join(decode_lines))
+        return
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
         (out_dir / "gpu_check.md").write_text("\n".join([*lines, "no CUDA device"]) + "\n")
@@ -245,11 +365,16 @@ def main() -> None:
                 f"| {row['moba_min_s']}/{row['moba_median_s']} | {row['ratio_min']} |"
             )
         q = k = v = None  # free before the next case
+    torch.cuda.empty_cache()
+    decode_lines, decode_rows = decode_check(args, "cuda")
+    lines += ["", *decode_lines]
+    for row in decode_rows:  # one CSV: the kernel rows' columns, the decode rows' own
+        rows.append({"torch": torch.__version__, "device": dev, "dtype": "float32", **row})
     lines += ["", f"total {time.time() - t0:.0f} s"]
     (out_dir / "gpu_check.md").write_text("\n".join(lines) + "\n")
     if rows:
         with (out_dir / "gpu_check.csv").open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for row in rows for k in row)))
             writer.writeheader()
             writer.writerows(rows)
     print("\n".join(lines))

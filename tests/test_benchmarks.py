@@ -127,3 +127,19 @@ def test_bench_decode_model_rows_check_tokens_then_time_each_cache(tmp_path):
     rows = list(csv.DictReader(out.open()))
     assert [r["bench"] for r in rows] == ["smollm2-step-dynamic", "smollm2-step-static"]
     assert all(r["threads"] == "1" and r["read_limit"] == "4.69" and float(r["speedup_median"]) > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_gpu_check_decode_section_dry_runs_on_the_cpu(tmp_path):
+    """The GPU check's decode section (`--device cpu`): the op checked against the reference, the static and
+    compiled model steps' tokens checked equal, then one row each; a case past the budget is skipped by name."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--out", str(tmp_path)]
+    cmd += ["--decode-op-contexts", "1536", "--decode-model-contexts", "1100", "--decode-layers", "2"]
+    res = subprocess.run([*cmd, "--repeats", "1"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert "check model 1100 moba: static and compiled steps give tokens" in res.stdout
+    table = (tmp_path / "gpu_check.md").read_text()
+    for row in ("| op | 1536 |", "| model 2 layers, static | 1100 |", "| model 2 layers, compiled | 1100 |"):
+        assert row in table and "FAILED" not in table
+    res = subprocess.run([*cmd, "--decode-budget", "0"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert res.returncode == 0 and "| op | 1536 | skipped: over the time budget |" in res.stdout, res.stderr
