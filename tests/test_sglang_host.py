@@ -18,6 +18,7 @@ from moba_hf.sglang import startup
 from moba_hf.sglang.pool import PoolGateKeys, moba_pool
 
 CONFIG = MobaConfig(block_size=8, top_k=2, decode="moba")
+PLAN = core.plan_for(CONFIG, 4)
 
 
 def token_pool(seq_lens, hkv=2, d=8, seed=0):
@@ -49,14 +50,14 @@ def test_pool_attention_reaches_the_core_and_matches_it(monkeypatch, dense):
     calls = spy(monkeypatch)
     moba_pool(
         query, output, k_buffer, v_buffer, req_to_token, req_pool_indices=rows, seq_lens=seq_lens, extend_lens=new,
-        config=CONFIG, scale=None, dense=dense,
+        plan=PLAN, scale=None, dense=dense,
     )  # fmt: skip
     route = "sdpa" if dense else "moba"
     assert calls == [("attend", route)] * 3
     start = 0
     for k, v, nq in zip(keys, values, new, strict=True):
         q = query[start : start + nq].transpose(0, 1)[None]
-        expected = core.attend(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], CONFIG, None, route)
+        expected = core.attend(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], PLAN, None, route)
         got = output[start : start + nq].transpose(0, 1)[None]
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
         start += nq
@@ -92,7 +93,7 @@ def test_pool_dca_attends_at_the_dca_positions(monkeypatch, sparse):
     calls = spy(monkeypatch)
     moba_pool(
         query, output, k_buffer, v_buffer, req_to_token, req_pool_indices=rows, seq_lens=seq_lens, extend_lens=new,
-        config=config, scale=None, dense=not sparse, dca=dca,
+        plan=core.plan_for(config, 4, dca.params), scale=None, dense=not sparse, dca=dca,
     )  # fmt: skip
     route = "dca+moba" if sparse else "dca"
     assert calls == [("attend", route)] * 3  # every sequence is longer than a chunk: decode runs "dca+moba" too
@@ -126,16 +127,18 @@ def test_sparse_decode_reads_pooled_keys_kept_beside_the_pool(monkeypatch, pooli
     query = lambda n: torch.randn(n, 4, d, generator=gen)  # noqa: E731
     pool = (k_buffer, v_buffer, req_to_token)
 
+    plan = core.plan_for(config, 4)
+
     def check(rows, seq_lens, new):
         q = query(sum(new))
         calls = spy(monkeypatch)
-        got = run_with(q, pool, rows, seq_lens, new, gate_keys, config)
+        got = run_with(q, pool, rows, seq_lens, new, gate_keys, plan)
         monkeypatch.undo()
         start = 0
         for row, length, nq in zip(rows, seq_lens, new, strict=True):
             slots = req_to_token[row, :length].long()
             k, v = k_buffer[slots].transpose(0, 1)[None], v_buffer[slots].transpose(0, 1)[None]
-            expected = core.attend(q[start : start + nq].transpose(0, 1)[None], k, v, config, None, "moba")
+            expected = core.attend(q[start : start + nq].transpose(0, 1)[None], k, v, plan, None, "moba")
             torch.testing.assert_close(got[start : start + nq].transpose(0, 1)[None], expected, rtol=0, atol=1e-5)
             start += nq
         return calls
@@ -152,12 +155,12 @@ def test_sparse_decode_reads_pooled_keys_kept_beside_the_pool(monkeypatch, pooli
     assert check([2, 1], [40, 51], [1, 1]) == [("decode", "moba")] * 2
 
 
-def run_with(query, pool, rows, seq_lens, new, gate_keys, config):
+def run_with(query, pool, rows, seq_lens, new, gate_keys, plan):
     k_buffer, v_buffer, req_to_token = pool
     output = torch.full_like(query, float("nan"))
     moba_pool(
         query, output, k_buffer, v_buffer, req_to_token, req_pool_indices=rows, seq_lens=seq_lens, extend_lens=new,
-        config=config, scale=None, gate_keys=gate_keys,
+        plan=plan, scale=None, gate_keys=gate_keys,
     )  # fmt: skip
     return output
 
