@@ -99,19 +99,20 @@ def plan_for(config: MobaConfig, num_layers: int, dca: DcaParams | DcaResolver |
     dca: DCA's parameters as the host resolved them against its model (None: off), or the host's resolver
     (`DcaResolver`), which is handed the config's dca setting and MoBA's block size here. Bad full-attention layer
     ids (and the resolver's refusals) raise ValueError naming them."""
+    full_layers = config.full_layer_set(num_layers)  # bad layer ids first, then DCA's refusals
     if callable(dca):
         dca = dca(config.dca, config.block_size if config.sparse else None)
-    return _plan(config, num_layers, dca)
+    return _plan(config, full_layers, dca)
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(config: MobaConfig, num_layers: int, dca: DcaParams | None) -> AttentionPlan:
+def _plan(config: MobaConfig, full_layers: frozenset[int], dca: DcaParams | None) -> AttentionPlan:
     return AttentionPlan(
-        prompt=config.plan(2),
+        prompt=config.plan(2),  # any call of several new queries
         step=config.plan(1),
         decode=config.decode,
         sparse=config.sparse,
-        full_layers=config.full_layer_set(num_layers),
+        full_layers=full_layers,
         dca=dca,
         backend=config.backend,
     )
