@@ -223,6 +223,18 @@ def test_startup_refusals(monkeypatch):
         startup.check(past, MobaConfig(), {}, "x", torch.float32)
 
 
+def test_setup_hands_the_backend_its_plan(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    found = startup.setup(model_config({"block_size": 32, "full_attn_layers": 1, "decode": "full"}), torch.float32)
+    assert found.plan is core.plan_for(found.config, 4)  # what the backend and the pool read
+    assert (found.plan.full_layers, found.plan.block_size, found.plan.decode) == (frozenset({3}), 32, "full")
+    dca = startup.setup(model_config({"block_size": 128, "dca": {"pretraining_length": 1024}}), torch.float32)
+    assert dca.plan.dca == dca.dca.params and not dca.plan.sparse_decode(0)
+    with pytest.raises(MobaSetupError, match="bad MoBA config from the checkpoint's config.json moba_config: "
+                       "full_attn_layer_ids contains 4"):  # fmt: skip
+        startup.setup(model_config({"full_attn_layer_ids": [4]}), torch.float32)
+
+
 def test_dca_setup_resolves_as_the_transformers_path_and_refuses_what_it_cannot_serve():
     config = model_config(max_position_embeddings=4096)
     dca = startup.dca_setup(config, MobaConfig(block_size=128, dca={"pretraining_length": 1024}), "x")
