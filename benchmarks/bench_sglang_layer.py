@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype, n, hq, hkv, d = getattr(torch, args.dtype), args.tokens, 9, 3, 64
-    config, scale = MobaConfig.from_spec(args.moba), d**-0.5
+    scale = d**-0.5
+    # the attention plan of one sparse layer (the one timed), in a model of 64 layers (room for full_attn_layers)
+    plan = core.plan_for(MobaConfig.from_spec(args.moba), 64)
     gen = torch.Generator().manual_seed(0)
     k_buffer = torch.randn(n + 1, hkv, d, generator=gen).to(dtype)  # slot 0: SGLang's padding slot
     v_buffer = torch.randn(n + 1, hkv, d, generator=gen).to(dtype)
@@ -66,14 +68,14 @@ def main(argv: list[str] | None = None) -> None:
 
     def plugin() -> None:
         moba_pool(q, out, k_buffer, v_buffer, req_to_token, req_pool_indices=[1], seq_lens=[n], extend_lens=[n],
-                  config=config, scale=scale)  # fmt: skip
+                  plan=plan, scale=scale)  # fmt: skip
 
     slots = req_to_token[1].long()
     laid_out = [t.index_select(0, slots).transpose(0, 1).unsqueeze(0).contiguous() for t in (k_buffer, v_buffer)]
     q_laid_out = q.transpose(0, 1).unsqueeze(0).contiguous()
 
     def core_attend() -> torch.Tensor:
-        return core.attend(q_laid_out, *laid_out, config, scale, "moba")
+        return core.attend(q_laid_out, *laid_out, plan, scale, "moba")
 
     plugin()
     if not torch.equal(out, core_attend()[0].transpose(0, 1)):

@@ -212,6 +212,16 @@ def dca_resolve(
     return ServedDca(params, rope_remap.config_inv_freq(text_config))
 
 
+def attention_plan(config: MobaConfig, text_config: Any, where: str, dca: ServedDca | None) -> core.AttentionPlan:
+    """The `core.AttentionPlan` a server's attention runs: `config` over the model's layers, with DCA as
+    `dca_resolve` resolved it (None: off). What the plugin's routing and per-sequence attention read; a bad
+    config raises `MobaSetupError` naming `where`."""
+    try:
+        return core.plan_for(config, text_config.num_hidden_layers, None if dca is None else dca.params)
+    except ValueError as err:
+        raise MobaSetupError(f"moba_hf: bad MoBA config from {where}: {err}") from None
+
+
 def dca_describe(dca: ServedDca) -> str:
     """DCA's parameters for a server's startup line."""
     p = dca.params
@@ -227,6 +237,7 @@ __all__ = [
     "QWEN_DCA_SOURCE",
     "MobaSetupError",
     "ServedDca",
+    "attention_plan",
     "check_model",
     "check_serving_options",
     "dca_describe",

@@ -31,7 +31,7 @@ DCA = core.Dca(DcaParams(pretraining_length=96, chunk_size=64), default_inv_freq
     ],
 )
 def test_route(config, nq, nk, dense_layer, dca, route):
-    assert core.route(core.runs_dense(config, nq, dense_layer), nk, dca) == route
+    assert core.route(core.runs_dense(core.plan_for(config, 2), nq, dense_layer), nk, dca) == route
 
 
 def spy(monkeypatch):
@@ -39,9 +39,9 @@ def spy(monkeypatch):
     calls = []
     attend, decode = core.attend, core.decode
 
-    def attend_spy(q, k, v, config, scale, route, dca=None):
+    def attend_spy(q, k, v, plan, scale, route, dca=None):
         calls.append(("attend", route))
-        return attend(q, k, v, config, scale, route, dca)
+        return attend(q, k, v, plan, scale, route, dca)
 
     def decode_spy(*args, **kwargs):
         calls.append(("decode", "moba"))
@@ -53,6 +53,7 @@ def spy(monkeypatch):
 
 
 CONFIG = MobaConfig(block_size=8, top_k=2, full_attn_layers=1, decode="moba")
+PLAN = core.plan_for(CONFIG, 2)
 
 
 def test_transformers_reaches_the_core(monkeypatch):
@@ -112,12 +113,12 @@ def test_vllm_paged_attention_reaches_the_core_and_matches_it(monkeypatch):
     calls = spy(monkeypatch)
     moba_paged(
         query, new_k, new_v, key_cache, value_cache, output, query_start_loc=starts, seq_lens=seq_lens,
-        block_table=table, config=CONFIG, scale=None, gate_keys=gate_keys,
+        block_table=table, plan=PLAN, scale=None, gate_keys=gate_keys,
     )  # fmt: skip
     assert calls == [("attend", "moba"), ("decode", "moba"), ("attend", "moba")]
     for i, (k, v) in enumerate(zip(keys, values, strict=True)):
         q = query[starts[i] : starts[i + 1]].transpose(0, 1)[None]
-        expected = core.attend(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], CONFIG, None, "moba")
+        expected = core.attend(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], PLAN, None, "moba")
         got = output[starts[i] : starts[i + 1]].transpose(0, 1)[None]
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 

@@ -530,8 +530,8 @@ def _decode_budget_oracle(module, query, key, value, attention_mask, scaling=Non
     """No cache: the queries after the prompt attend with decode_top_k (each query's blocks are its own, so one
     call over all of them gives every decode step's rows), the prompt's with top_k."""
     out, _ = moba_hf.integration.moba_attention_forward(module, query, key, value, attention_mask, scaling, **kwargs)
-    moba = moba_hf.integration.attention.resolved_config(module).moba
-    steps = attend_plan(query, key, value, moba.plan(1), scaling).transpose(1, 2)
+    plan = moba_hf.integration.attention.resolved_config(module).plan
+    steps = attend_plan(query, key, value, plan.blocks(1), scaling).transpose(1, 2)
     first = _oracle_dense[0]
     return torch.cat([out[:, :first], steps[:, first:]], dim=1), None
 

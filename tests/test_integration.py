@@ -152,7 +152,8 @@ def test_config_is_checked_once_per_change_not_per_layer_and_token(monkeypatch):
     with torch.no_grad():
         model(ids)
     assert len(checks) == 2
-    assert {attention.resolved_config(m).moba.top_k for m in model.modules() if hasattr(m, "layer_idx")} == {1}
+    plans = {attention.resolved_config(m).plan for m in model.modules() if hasattr(m, "layer_idx")}
+    assert [plan.blocks(12).top_k for plan in plans] == [1]
     model.config.use_bidirectional_attention = True  # the model's other fields are read with the settings
     model.config.moba_config = MobaConfig(block_size=4, top_k=2)
     with pytest.raises(ValueError, match="use_bidirectional_attention=True"):

@@ -3,12 +3,18 @@ one pair count behind sparsity tracking and `MobaConfig.theoretical_sparsity`.""
 
 from __future__ import annotations
 
+import ast
 import math
+import types
+from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import tiny_model
 
-from moba_hf import MobaConfig
+import moba_hf
+from moba_hf import MobaConfig, core
+from moba_hf.dca.config import DcaParams
 from moba_hf.kernels import BlockPlan, attend_plan, moba_attention
 from moba_hf.kernels.decode import block_keys_from_cache, decode_plan, moba_decode
 
@@ -137,3 +143,128 @@ def test_theoretical_sparsity_and_the_pair_count_are_unchanged(rule):
         for nq in {q for q in (1, 2, n // 2, n) if 1 <= q <= n}:
             assert plan.attended_pairs(nq, n) == _rule_pairs_before(1, nq, n, **rule)
     assert MobaConfig(sparse=False, **rule).theoretical_sparsity(40) == 0.0
+
+
+# --- the attention plan every host reads (`core.AttentionPlan`) ---------------------------------------------------
+def test_plan_for_resolves_once_per_config():
+    config = MobaConfig(block_size=8, top_k=3, decode_top_k=5, dense_tail=4, full_attn_layers=1, backend="torch")
+    plan = core.plan_for(config, 4)
+    assert core.plan_for(config, 4) is plan
+    assert core.plan_for(MobaConfig(**config.to_dict()), 4) is plan  # an equal config, read again from its fields
+    assert plan.blocks(40) is config.plan(40) and plan.blocks(1) is config.plan(1)  # the config's own BlockPlans
+    assert (plan.block_size, plan.pooling, plan.decode, plan.sparse, plan.backend) == (8, "mean", "moba", True, "torch")
+    assert plan.full_layers == frozenset({3}) and plan.dca is None
+    assert core.plan_for(config, 5).full_layers == frozenset({4})  # another model: another plan
+    dca = DcaParams(pretraining_length=96, chunk_size=64)
+    assert core.plan_for(config, 4, dca).dca is dca
+    asked = []
+    resolver = lambda setting, block_size: asked.append((setting, block_size)) or dca  # noqa: E731
+    assert core.plan_for(MobaConfig(block_size=8, dca=True), 4, resolver).dca is dca
+    assert core.plan_for(MobaConfig(block_size=8, sparse=False), 4, resolver).dca is dca
+    assert asked == [(True, 8), (None, None)]  # the host's resolution gets MoBA's block size only when sparse
+
+
+def test_a_resolved_model_config_keeps_its_plan():
+    """The transformers host resolves the plan once per config change: a change that leaves the MobaConfig as it
+    was (here an unrelated attribute) checks again and gets the very same plan object."""
+    from moba_hf.integration import attention
+
+    model = tiny_model("llama", MobaConfig(block_size=4, top_k=2, full_attn_layers=1), layers=2)
+    layer = next(m for m in model.modules() if hasattr(m, "layer_idx"))
+    plan = attention.resolved_config(layer).plan
+    assert attention.resolved_config(layer).plan is plan and plan.full_layers == frozenset({1})
+    model.config.some_unrelated_setting = 1
+    resolved = attention.resolved_config(layer)
+    assert resolved.holds_for(model.config) and resolved.plan is plan
+    model.config.moba_config = {**model.config.moba_config, "top_k": 3}
+    assert attention.resolved_config(layer).plan.blocks(8).top_k == 3
+
+
+@pytest.mark.parametrize(
+    "fields, layer, dense_layer, sparse_decode, dense_step",
+    [
+        ({}, 0, False, True, False),
+        ({"full_attn_layers": 1}, 3, True, False, False),
+        ({"full_attn_layer_ids": (0, -1)}, 0, True, False, False),
+        ({"full_attn_layers": 1}, None, False, True, False),  # a module without a layer index is never a full one
+        ({"sparse": False}, 0, True, False, False),
+        ({"decode": "full"}, 0, False, False, True),
+    ],
+)
+def test_the_plan_answers_the_hosts_questions(fields, layer, dense_layer, sparse_decode, dense_step):
+    plan = core.plan_for(MobaConfig(block_size=8, **fields), 4)
+    assert plan.dense_layer(layer) == dense_layer
+    assert plan.sparse_decode(layer) == sparse_decode
+    assert plan.dense_decode(1) == dense_step and not plan.dense_decode(2)
+    assert core.runs_dense(plan, 1, plan.dense_layer(layer)) == (dense_layer or dense_step)
+    with_dca = core.plan_for(MobaConfig(block_size=8, **fields), 4, DcaParams(pretraining_length=96, chunk_size=64))
+    assert not with_dca.sparse_decode(layer)  # DCA's decode steps attend per sequence
+
+
+def test_plan_for_names_bad_layer_ids():
+    with pytest.raises(ValueError, match=r"full_attn_layer_ids contains 4, outside the model's layers \[-4, 3\]"):
+        core.plan_for(MobaConfig(full_attn_layer_ids=[4]), 4)
+    from moba_hf.serving import MobaSetupError, attention_plan
+
+    with pytest.raises(MobaSetupError, match="bad MoBA config from the test: full_attn_layers=5 exceeds"):
+        attention_plan(MobaConfig(full_attn_layers=5), types.SimpleNamespace(num_hidden_layers=4), "the test", None)
+
+
+# attributes of a MobaConfig that decide which keys each query sees: read only by `core.plan_for` on the attention
+# path (and by the code that builds configs from user input, and the servers' startup checks)
+MATH_ATTRIBUTES = frozenset(
+    {
+        "block_size", "top_k", "decode_top_k", "pooling", "sink_blocks", "local_blocks", "top_p", "min_top_k",
+        "dense_tail", "decode", "sparse", "full_attn_layers", "full_attn_layer_ids", "dca", "backend",
+        "plan", "tail_queries", "full_layer_set",
+    }
+)  # fmt: skip
+CONFIG_NAMES = frozenset({"config", "moba", "moba_config"})  # what the hosts call a MobaConfig they hold
+HOSTS = ("integration", "vllm", "sglang")
+STARTUP = ("vllm/startup.py", "sglang/startup.py")  # validate and describe the serving options
+
+
+def config_reads(source: str) -> list[tuple[int, str]]:
+    """(line, `name.attribute`) for every read of a MoBA math attribute on a name (or `self.name`) called like a
+    MobaConfig, or annotated as one."""
+    tree = ast.parse(source)
+    typed = {
+        arg.arg
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for arg in (*node.args.args, *node.args.kwonlyargs, *node.args.posonlyargs)
+        if arg.annotation is not None and "MobaConfig" in ast.unparse(arg.annotation)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or node.attr not in MATH_ATTRIBUTES:
+            continue
+        owner = node.value
+        name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else None
+        if name in CONFIG_NAMES or name in typed:
+            found.append((node.lineno, f"{name}.{node.attr}"))
+    return found
+
+
+def test_hosts_read_the_plan_not_the_config():
+    package = Path(moba_hf.__file__).parent
+    reads = []
+    for host in HOSTS:
+        for path in sorted((package / host).rglob("*.py")):
+            relative = path.relative_to(package).as_posix()
+            if relative not in STARTUP:
+                reads += [f"{relative}:{line} {read}" for line, read in config_reads(path.read_text())]
+    assert reads == []
+
+
+def test_the_config_read_check_sees_what_it_looks_for():
+    source = """
+def a(config, scale):
+    return config.block_size + scale.top_k
+def b(cfg: MobaConfig):
+    return cfg.plan(1)
+class C:
+    def d(self):
+        return self.moba.decode == "moba" and self.plan.decode == "moba" and model.config.num_hidden_layers
+"""
+    assert config_reads(source) == [(3, "config.block_size"), (5, "cfg.plan"), (8, "moba.decode")]

@@ -18,6 +18,7 @@ from moba_hf.sglang import startup
 from moba_hf.sglang.pool import PoolGateKeys, moba_pool
 
 CONFIG = MobaConfig(block_size=8, top_k=2, decode="moba")
+PLAN = core.plan_for(CONFIG, 4)
 
 
 def token_pool(seq_lens, hkv=2, d=8, seed=0):
@@ -49,14 +50,14 @@ def test_pool_attention_reaches_the_core_and_matches_it(monkeypatch, dense):
     calls = spy(monkeypatch)
     moba_pool(
         query, output, k_buffer, v_buffer, req_to_token, req_pool_indices=rows, seq_lens=seq_lens, extend_lens=new,
-        config=CONFIG, scale=None, dense=dense,
+        plan=PLAN, scale=None, dense=dense,
     )  # fmt: skip
     route = "sdpa" if dense else "moba"
     assert calls == [("attend", route)] * 3
     start = 0
     for k, v, nq in zip(keys, values, new, strict=True):
         q = query[start : start + nq].transpose(0, 1)[None]
-        expected = core.attend(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], CONFIG, None, route)
+        expected = core.attend(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], PLAN, None, route)
         got = output[start : start + nq].transpose(0, 1)[None]
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
         start += nq
@@ -92,7 +93,7 @@ def test_pool_dca_attends_at_the_dca_positions(monkeypatch, sparse):
     calls = spy(monkeypatch)
     moba_pool(
         query, output, k_buffer, v_buffer, req_to_token, req_pool_indices=rows, seq_lens=seq_lens, extend_lens=new,
-        config=config, scale=None, dense=not sparse, dca=dca,
+        plan=core.plan_for(config, 4, dca.params), scale=None, dense=not sparse, dca=dca,
     )  # fmt: skip
     route = "dca+moba" if sparse else "dca"
     assert calls == [("attend", route)] * 3  # every sequence is longer than a chunk: decode runs "dca+moba" too
@@ -126,16 +127,18 @@ def test_sparse_decode_reads_pooled_keys_kept_beside_the_pool(monkeypatch, pooli
     query = lambda n: torch.randn(n, 4, d, generator=gen)  # noqa: E731
     pool = (k_buffer, v_buffer, req_to_token)
 
+    plan = core.plan_for(config, 4)
+
     def check(rows, seq_lens, new):
         q = query(sum(new))
         calls = spy(monkeypatch)
-        got = run_with(q, pool, rows, seq_lens, new, gate_keys, config)
+        got = run_with(q, pool, rows, seq_lens, new, gate_keys, plan)
         monkeypatch.undo()
         start = 0
         for row, length, nq in zip(rows, seq_lens, new, strict=True):
             slots = req_to_token[row, :length].long()
             k, v = k_buffer[slots].transpose(0, 1)[None], v_buffer[slots].transpose(0, 1)[None]
-            expected = core.attend(q[start : start + nq].transpose(0, 1)[None], k, v, config, None, "moba")
+            expected = core.attend(q[start : start + nq].transpose(0, 1)[None], k, v, plan, None, "moba")
             torch.testing.assert_close(got[start : start + nq].transpose(0, 1)[None], expected, rtol=0, atol=1e-5)
             start += nq
         return calls
@@ -152,12 +155,12 @@ def test_sparse_decode_reads_pooled_keys_kept_beside_the_pool(monkeypatch, pooli
     assert check([2, 1], [40, 51], [1, 1]) == [("decode", "moba")] * 2
 
 
-def run_with(query, pool, rows, seq_lens, new, gate_keys, config):
+def run_with(query, pool, rows, seq_lens, new, gate_keys, plan):
     k_buffer, v_buffer, req_to_token = pool
     output = torch.full_like(query, float("nan"))
     moba_pool(
         query, output, k_buffer, v_buffer, req_to_token, req_pool_indices=rows, seq_lens=seq_lens, extend_lens=new,
-        config=config, scale=None, gate_keys=gate_keys,
+        plan=plan, scale=None, gate_keys=gate_keys,
     )  # fmt: skip
     return output
 
@@ -218,6 +221,18 @@ def test_startup_refusals(monkeypatch):
     past = model_config(max_position_embeddings=2048)
     with pytest.raises(MobaSetupError, match="context_len=4096 needs RoPE positions up to 4095, .*=2048"):
         startup.check(past, MobaConfig(), {}, "x", torch.float32)
+
+
+def test_setup_hands_the_backend_its_plan(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    found = startup.setup(model_config({"block_size": 32, "full_attn_layers": 1, "decode": "full"}), torch.float32)
+    assert found.plan is core.plan_for(found.config, 4)  # what the backend and the pool read
+    assert (found.plan.full_layers, found.plan.block_size, found.plan.decode) == (frozenset({3}), 32, "full")
+    dca = startup.setup(model_config({"block_size": 128, "dca": {"pretraining_length": 1024}}), torch.float32)
+    assert dca.plan.dca == dca.dca.params and not dca.plan.sparse_decode(0)
+    with pytest.raises(MobaSetupError, match="bad MoBA config from the checkpoint's config.json moba_config: "
+                       "full_attn_layer_ids contains 4"):  # fmt: skip
+        startup.setup(model_config({"full_attn_layer_ids": [4]}), torch.float32)
 
 
 def test_dca_setup_resolves_as_the_transformers_path_and_refuses_what_it_cannot_serve():

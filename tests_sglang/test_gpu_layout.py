@@ -13,7 +13,7 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")  # as the servers run: SGLan
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool  # noqa: E402
 
 import moba_hf.sglang as plugin  # noqa: E402
-from moba_hf import MobaConfig  # noqa: E402
+from moba_hf import MobaConfig, core  # noqa: E402
 from moba_hf.sglang import gpu_backend, startup  # noqa: E402
 from moba_hf.sglang.pool import moba_pool  # noqa: E402
 
@@ -47,16 +47,14 @@ def test_pool_attention_reads_what_sglang_wrote():
     pool.set_kv_buffer(layer, KVWriteLoc(slots, physical=True), k, v)
     req_to_token = torch.zeros(2, 64, dtype=torch.int32)
     req_to_token[1, :n] = slots.int()
-    config = MobaConfig(block_size=8, top_k=2)
+    plan = core.plan_for(MobaConfig(block_size=8, top_k=2), 2)
     q = torch.randn(n, 4, D, generator=gen)
     out = torch.full_like(q, float("nan"))
     moba_pool(
         q, out, pool.get_key_buffer(1), pool.get_value_buffer(1), req_to_token, req_pool_indices=[1], seq_lens=[n],
-        extend_lens=[n], config=config, scale=None,
+        extend_lens=[n], plan=plan, scale=None,
     )  # fmt: skip
-    from moba_hf import core
-
-    want = core.attend(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], config, None, "moba")
+    want = core.attend(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], plan, None, "moba")
     torch.testing.assert_close(out.transpose(0, 1)[None], want, rtol=0, atol=0)
 
 
@@ -86,7 +84,7 @@ def cuda_runner() -> types.SimpleNamespace:
 def test_cuda_factory_builds_the_triton_backend_and_refuses_cuda_graphs(monkeypatch):
     from sglang.srt.model_executor import cuda_graph_config
 
-    found = startup.Setup(MobaConfig(), frozenset(), "x")
+    found = startup.Setup(MobaConfig(), core.plan_for(MobaConfig(), 2), "x")
     monkeypatch.setattr(startup, "setup", lambda model_config, cache_dtype: found)
     built = []
     monkeypatch.setattr(gpu_backend, "MobaTritonBackend", lambda runner, setup: built.append(setup) or "triton")

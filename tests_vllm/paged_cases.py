@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from moba_hf import MobaConfig, causal_attention
+from moba_hf import MobaConfig, causal_attention, core
 from moba_hf.kernels import attend_plan
 from moba_hf.kernels.dual_chunk import dca_attention
 from moba_hf.kernels.rope import rotate
@@ -100,7 +100,7 @@ def check_mixed_batch(config: MobaConfig, batch: tuple, layout: Callable, *, poo
     seq_lens = [k.shape[0] for k in keys]
     moba_paged(
         query, key, value, key_cache, value_cache, output, query_start_loc=starts, seq_lens=seq_lens,
-        block_table=table, config=config, scale=scale, gate_keys=gate_keys,
+        block_table=table, plan=core.plan_for(config, 2), scale=scale, gate_keys=gate_keys,
     )  # fmt: skip
     for i in range(len(seq_lens)):
         q = query[starts[i] : starts[i + 1]].transpose(0, 1)[None]
@@ -198,7 +198,7 @@ def check_dca_mixed_batch(case: str, empty_cache: Callable[[int], torch.Tensor],
     scale = D**-0.5
     moba_paged(
         query, key, value, key_cache, value_cache, output, query_start_loc=starts, seq_lens=DCA_SEQ_LENS,
-        block_table=table, config=config, scale=scale, dense=not config.sparse, dca=dca,
+        block_table=table, plan=core.plan_for(config, 2, dca.params), scale=scale, dense=not config.sparse, dca=dca,
     )  # fmt: skip
     for i, n in enumerate(DCA_SEQ_LENS):
         raw = raw_q[starts[i] : starts[i + 1]]

@@ -11,7 +11,7 @@ import torch
 from paged_cases import HKV, HQ, PAGE, QUERY_LENS, SEQ_LENS, C, D, S
 from vllm import _custom_ops as ops
 
-from moba_hf import MobaConfig
+from moba_hf import MobaConfig, core
 from moba_hf.dca.config import DcaParams
 from moba_hf.kernels import attend_plan
 from moba_hf.kernels.pooling import pooled_keys
@@ -49,8 +49,8 @@ def test_skip_decodes_leaves_decode_rows_to_the_caller():
     output = torch.full_like(query, float("nan"))
     moba_paged(
         query, key, value, key_cache, value_cache, output, query_start_loc=starts, seq_lens=SEQ_LENS,
-        block_table=table, config=MobaConfig(block_size=64, top_k=2, decode="full"), scale=D**-0.5,
-        skip=dense_decodes(QUERY_LENS, MobaConfig(decode="full")),
+        block_table=table, plan=core.plan_for(MobaConfig(block_size=64, top_k=2, decode="full"), 2), scale=D**-0.5,
+        skip=dense_decodes(QUERY_LENS, core.plan_for(MobaConfig(decode="full"), 2)),
     )  # fmt: skip
     for i, nq in enumerate(QUERY_LENS):
         rows = output[starts[i] : starts[i + 1]]
@@ -60,8 +60,8 @@ def test_skip_decodes_leaves_decode_rows_to_the_caller():
 def test_dense_decodes_follow_the_mode_alone():
     # decode = "moba" is sparse at every sequence length (1, 3 and 6 blocks here): the config fixes the math
     query_lens = [1, 1, 5, 1]
-    assert dense_decodes(query_lens, MobaConfig(block_size=256, decode="full")) == [0, 1, 3]
-    assert dense_decodes(query_lens, MobaConfig(block_size=256, decode="moba")) == []
+    assert dense_decodes(query_lens, core.plan_for(MobaConfig(block_size=256, decode="full"), 2)) == [0, 1, 3]
+    assert dense_decodes(query_lens, core.plan_for(MobaConfig(block_size=256, decode="moba"), 2)) == []
 
 
 def write_in_steps(kv_cache, pages, keys, values, steps, gate_keys):
@@ -84,7 +84,7 @@ def decode_step(config, kv_cache, pages, keys, values, query, gate_keys):
     key_cache, value_cache = layouts.cpu_layout(kv_cache)
     moba_paged(
         query, keys[-1:], values[-1:], key_cache, value_cache, output, query_start_loc=[0, 1], seq_lens=[length],
-        block_table=pages[None].int(), config=config, scale=D**-0.5, gate_keys=gate_keys,
+        block_table=pages[None].int(), plan=core.plan_for(config, 2), scale=D**-0.5, gate_keys=gate_keys,
     )  # fmt: skip
     want = attend_plan(
         query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], config.plan(1), D**-0.5

@@ -11,7 +11,7 @@ import torch
 from engines import MAX_MODEL_LEN
 from server_helpers import model_path
 
-from moba_hf import MobaConfig
+from moba_hf import MobaConfig, core
 from moba_hf.dca.config import DcaParams
 from moba_hf.vllm import startup
 
@@ -40,23 +40,23 @@ def test_a_null_moba_config_override_turns_moba_off(monkeypatch, tmp_path):
 
 def test_sources_and_precedence(monkeypatch):
     monkeypatch.setenv(startup.ENV, "training-free")
-    config, dense, dca, _ = startup.setup(vllm_config())
+    config, plan, dca, _ = startup.setup(vllm_config())
     preset = MobaConfig.preset("training-free")
-    assert config == preset and dense == preset.full_layer_set(30) and dca is None
-    config, dense, _, _ = startup.setup(vllm_config(hf_overrides={"moba_config": {"block_size": 256, "top_k": 2}}))
-    assert config == MobaConfig(block_size=256, top_k=2) and dense == frozenset()
+    assert config == preset and plan == core.plan_for(preset, 30) and dca is None
+    config, plan, _, _ = startup.setup(vllm_config(hf_overrides={"moba_config": {"block_size": 256, "top_k": 2}}))
+    assert config == MobaConfig(block_size=256, top_k=2) and plan.full_layers == frozenset()
 
 
 @pytest.mark.parametrize("name", ["long_doc", "chat", "code"])
 def test_serving_configs(name, monkeypatch):
     monkeypatch.setenv(startup.ENV, str(ROOT / "configs" / f"serving_{name}.toml"))
-    config, dense, _, _ = startup.setup(vllm_config())
+    config, plan, _, _ = startup.setup(vllm_config())
     expected = {
         "long_doc": (MobaConfig(block_size=4096, top_k=4, full_attn_layers=2, decode="full"), {28, 29}),
         "chat": (MobaConfig(block_size=2048, top_k=3, decode="full"), set()),
         "code": (MobaConfig(block_size=8192, top_k=5, decode="full"), set()),
     }[name]
-    assert (config, dense) == expected
+    assert (config, plan.full_layers) == expected
 
 
 def model_dir(tmp_path, **config):
@@ -194,8 +194,9 @@ def test_dca_from_the_moba_config(monkeypatch):
 def test_qwen_dual_chunk_attention_config_turns_dense_dca_on(monkeypatch, tmp_path):
     monkeypatch.delenv(startup.ENV, raising=False)
     path = qwen_dir(tmp_path, dual_chunk_attention_config=QWEN_DCA)
-    config, dense, dca, _ = startup.setup(vllm_config(path))
+    config, plan, dca, _ = startup.setup(vllm_config(path))
     assert config == MobaConfig(sparse=False) and dca.params == DcaParams(pretraining_length=1024, chunk_size=896)
+    assert plan.dca == dca.params and not plan.sparse
     off = startup.setup(vllm_config(path, hf_overrides={"moba_config": {"block_size": 128, "dca": False}}))
     assert off.dca is None and off.config.sparse
 

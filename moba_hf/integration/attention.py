@@ -18,7 +18,6 @@ import torch
 
 from .. import core, logs
 from ..config import MobaConfig, MobaSettings
-from ..dca.config import DcaParams
 from ..kernels import resolve_backend
 from ..kernels.checks import needs_grad
 from . import rope_remap, sparsity, state
@@ -66,9 +65,7 @@ class ResolvedConfig:
 
     config_ref: weakref.ref
     settings: Any  # the `moba_config` value this was resolved from (compared by identity)
-    moba: MobaConfig
-    full_layers: frozenset[int]  # layers that keep full attention
-    dca: DcaParams | None  # None: DCA is off
+    plan: core.AttentionPlan  # which keys each query sees, every layer (`core.plan_for`)
 
     def holds_for(self, model_config: Any) -> bool:
         return self.config_ref() is model_config and _settings(model_config) is self.settings
@@ -80,8 +77,9 @@ def _settings(model_config: Any) -> Any:
 
 
 def resolved_config(module: torch.nn.Module) -> ResolvedConfig:
-    """What `module`'s config resolves to: the support check, its MobaConfig (defaults if it has none), the
-    full-attention layers and DCA's parameters; the checks raise as they would on every call.
+    """What `module`'s config resolves to: the support check, and the `core.AttentionPlan` of its MobaConfig
+    (defaults if it has none: the full-attention layers, DCA's parameters); the checks raise as they would on
+    every call.
 
     Kept beside the module and beside its config (shared by the model's layers), read and written through
     local names only: models forwarded from several threads at once each read their own."""
@@ -101,9 +99,8 @@ def resolved_config(module: torch.nn.Module) -> ResolvedConfig:
 def _resolve(model_config: Any) -> ResolvedConfig:
     check_supported(model_config)
     config = moba_config_of(model_config)  # may store a preset's values back into the config: read after
-    full_layers = config.full_layer_set(model_config.num_hidden_layers)
-    dca = rope_remap.resolve(config.dca, model_config, config.block_size if config.sparse else None)
-    return ResolvedConfig(weakref.ref(model_config), _settings(model_config), config, full_layers, dca)
+    plan = core.plan_for(config, model_config.num_hidden_layers, rope_remap.resolver(model_config))
+    return ResolvedConfig(weakref.ref(model_config), _settings(model_config), plan)
 
 
 # under torch.compile each call runs eagerly (a graph break per layer): the per-sequence work is Python (see docs)
@@ -118,8 +115,7 @@ def moba_attention_forward(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    resolved = resolved_config(module)
-    config = resolved.moba
+    plan = resolved_config(module).plan
     if dropout:
         raise ValueError(f"moba attention does not implement attention dropout; got dropout={dropout} (use 0.0)")
     if is_static_layout(attention_mask):  # a pre-allocated cache: attend its written keys only (views, no copy)
@@ -140,21 +136,19 @@ def moba_attention_forward(
 
     nq, nk = query.shape[2], key.shape[2]
     layer = getattr(module, "layer_idx", None)
-    dense = core.runs_dense(config, nq, layer is not None and layer in resolved.full_layers)
+    dense = core.runs_dense(plan, nq, plan.dense_layer(layer))
     dca = None
-    if resolved.dca is not None:  # moves the fresh keys in the cache and the queries to DCA positions
-        query, dca = rope_remap.remap_fresh(
-            module, resolved.dca, query, key, attention_mask, kwargs.get("position_ids")
-        )
+    if plan.dca is not None:  # moves the fresh keys in the cache and the queries to DCA positions
+        query, dca = rope_remap.remap_fresh(module, plan.dca, query, key, attention_mask, kwargs.get("position_ids"))
 
     if not dense and dca is None:  # with a KV cache: keep the block state in step; sparse decode when it applies
-        out = cached_step(module, query, key, value, attention_mask, config, scaling)
+        out = cached_step(module, query, key, value, attention_mask, plan, scaling)
         if out is not None:
             return out.transpose(1, 2).contiguous(), None
 
     spans = sequence_spans(attention_mask, query.shape[0], nq, nk)
     if spans is None:
-        out = _attend(query, key, value, config, scaling, dense, layer, dca)
+        out = _attend(query, key, value, plan, scaling, dense, layer, dca)
     else:
         out = query.new_zeros(query.shape)  # pad queries get zeros
         first_query = nk - nq
@@ -165,7 +159,7 @@ def moba_attention_forward(
             q = query[row : row + 1, :, queries - first_query]
             k = key[row : row + 1, :, keys]
             v = value[row : row + 1, :, keys]
-            out[row, :, queries - first_query] = _attend(q, k, v, config, scaling, dense, layer, dca)[0]
+            out[row, :, queries - first_query] = _attend(q, k, v, plan, scaling, dense, layer, dca)[0]
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -184,7 +178,7 @@ def _attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    config: MobaConfig,
+    plan: core.AttentionPlan,
     scale: float | None,
     dense: bool,
     layer: int | None,
@@ -192,11 +186,11 @@ def _attend(
 ) -> torch.Tensor:
     route = core.route(dense, k.shape[2], dca)
     if route == "moba":
-        backend = functools.partial(resolve_backend, config.backend, q, needs_grad=needs_grad(q, k, v))
-        selection = functools.partial(core.selection, q, k, config)
-        sparsity.record_attention(layer, q, k.shape[2], backend, config, selection)
+        backend = functools.partial(resolve_backend, plan.backend, q, needs_grad=needs_grad(q, k, v))
+        selection = functools.partial(core.selection, q, k, plan)
+        sparsity.record_attention(layer, q, k.shape[2], backend, plan.blocks(q.shape[2]), selection)
     else:  # DCA's gate mixes query variants, but the rule (and so a fixed budget's count) is MoBA's
-        moba = config if route == "dca+moba" else None
-        selection = functools.partial(core.selection, q, k, config, dca)
-        sparsity.record_attention(layer, q, k.shape[2], route, moba, selection)
-    return core.attend(q, k, v, config, scale, route, dca)
+        blocks = plan.blocks(q.shape[2]) if route == "dca+moba" else None
+        selection = functools.partial(core.selection, q, k, plan, dca)
+        sparsity.record_attention(layer, q, k.shape[2], route, blocks, selection)
+    return core.attend(q, k, v, plan, scale, route, dca)

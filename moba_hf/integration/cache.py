@@ -35,7 +35,6 @@ import torch
 import torch.nn.functional as F
 
 from .. import core
-from ..config import MobaConfig
 from ..kernels import decode as decode_kernels
 from ..kernels.checks import gate_dtype, needs_grad
 from ..kernels.pooling import BlockStats
@@ -318,7 +317,7 @@ def block_state(
     keys: torch.Tensor,
     in_step: bool,
     padding_mask: torch.Tensor | None,
-    config: MobaConfig,
+    plan: core.AttentionPlan,
     *,
     new: int,
     create: bool = True,
@@ -336,7 +335,7 @@ def block_state(
         return None
     nk = keys.shape[2]
     fresh = running is not None and in_step and running.n == nk - new
-    fresh = fresh and running.matches(keys, config.block_size, config.pooling)
+    fresh = fresh and running.matches(keys, plan.block_size, plan.pooling)
     if not fresh and not create:  # stale and not needed now: rebuild lazily at the next decode step
         del states[layer_idx]
         return None
@@ -345,7 +344,7 @@ def block_state(
             logger.debug("moba_hf: layer %s block state out of date; rebuilding from %d cached keys", layer_idx, nk)
         stored = _layer_keys(cache, layer_idx)
         capacity = stored.shape[2] if stored is not None and is_static(cache, layer_idx) else 0
-        running = BlockState(keys, config.block_size, config.pooling, capacity)
+        running = BlockState(keys, plan.block_size, plan.pooling, capacity)
         states[layer_idx] = running
     real = None if padding_mask is None else padding_mask[:, running.n : nk]
     running.append(keys[:, :, running.n :], real)
@@ -361,7 +360,7 @@ def cached_step(
     key: torch.Tensor,
     value: torch.Tensor,
     padding_mask: torch.Tensor | None,
-    config: MobaConfig,
+    plan: core.AttentionPlan,
     scale: float | None,
 ) -> torch.Tensor | None:
     """Sparse decode for a MoBA layer with a cache: [B, Hq, Nq, D], MoBA's blocks over the cache at every step
@@ -384,11 +383,11 @@ def cached_step(
         check_cache_supported(cache, layer)
         checked.add(layer)
     nq, nk = query.shape[2], key.shape[2]
-    decode = config.decode == "moba" and nq < nk and nq <= DECODE_MAX_QUERIES and layer is not None
-    decode = decode and not config.tail_queries(nq)  # a dense tail runs on the prefill path
+    decode = plan.sparse_decode(layer) and nq < nk and nq <= DECODE_MAX_QUERIES and layer is not None
+    decode = decode and not plan.tail_queries(nq)  # a dense tail runs on the prefill path
     running = None
     if layer is not None:
-        running = block_state(cache, layer, key, in_step, padding_mask, config, new=nq, create=decode)
+        running = block_state(cache, layer, key, in_step, padding_mask, plan, new=nq, create=decode)
     if not decode or running is None or not running.contiguous_rows() or running.min_count < nq:
         return None
     tracking = sparsity.tracking()  # the selection is asked for only when it is recorded
@@ -397,13 +396,13 @@ def cached_step(
     if static and not decode_kernels.reads_in_place(query, key, value):
         # (on CPU in float32 / float64 the step reads the written slots' prefix views in place, as any cache's)
         stored = cache.layers[layer]
-        return _static_decode(query, stored.keys, stored.values, nk, running, block_keys, config, scale)
-    out = core.decode(query, (key, value), block_keys, config, scale, starts=running.starts, return_selection=tracking)
+        return _static_decode(query, stored.keys, stored.values, nk, running, block_keys, plan, scale)
+    out = core.decode(query, (key, value), block_keys, plan, scale, starts=running.starts, return_selection=tracking)
     if not tracking:
         return out
     out, selected = out
     attended = sum(
-        sparsity.attended_pairs(selected[r : r + 1], int(running.counts[r]), config.block_size)
+        sparsity.attended_pairs(selected[r : r + 1], int(running.counts[r]), plan.block_size)
         for r in range(query.shape[0])
     )
     causal = sum(sparsity.causal_pairs(query.shape[1], nq, int(c)) for c in running.counts.tolist())
@@ -449,7 +448,7 @@ def _static_decode(
     written: int,
     running: BlockState,
     block_keys: torch.Tensor,
-    config: MobaConfig,
+    plan: core.AttentionPlan,
     scale: float | None,
 ) -> torch.Tensor:
     """The sparse step over a StaticCache's tensors keys, values [B, Hkv, capacity, D], `written` slots filled,
@@ -458,10 +457,10 @@ def _static_decode(
     by one (the windowed read takes rows of one length)."""
     if running.min_count == running.max_count:
         count = running.max_count
-        return core.decode(query, StaticWindows(keys, values, written - count, count), block_keys, config, scale)
+        return core.decode(query, StaticWindows(keys, values, written - count, count), block_keys, plan, scale)
     out = torch.empty_like(query)
     for row, count in enumerate(running.counts.tolist()):
         rows = slice(row, row + 1)
         cache = StaticWindows(keys[rows], values[rows], written - count, count)
-        out[rows] = core.decode(query[rows], cache, block_keys[rows], config, scale)
+        out[rows] = core.decode(query[rows], cache, block_keys[rows], plan, scale)
     return out

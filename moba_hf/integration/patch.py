@@ -7,11 +7,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from .. import core
 from ..config import MobaConfig
 from . import state
 from .cache import install_model_hooks, remove_hooks
 from .register import CONFIG_FIELD, NAME, register
-from .rope_remap import resolve as resolve_dca
+from .rope_remap import resolver
 from .support import check_supported, family_of
 
 ConfigLike = MobaConfig | Mapping[str, Any] | str | Path | None
@@ -43,8 +44,8 @@ def _validate(model: Any, config: ConfigLike) -> MobaConfig:
         moba = as_moba_config(model.config.moba_config)
     else:
         moba = as_moba_config(config)
-    moba.full_layer_set(model.config.num_hidden_layers)  # validates explicit layer ids now, not mid-forward
-    resolve_dca(moba.dca, model.config, moba.block_size if moba.sparse else None)  # DCA errors now, too
+    # the plan the attention function will resolve: explicit layer ids and DCA fail now, not mid-forward
+    core.plan_for(moba, model.config.num_hidden_layers, resolver(model.config))
     return moba
 
 

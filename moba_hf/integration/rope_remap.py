@@ -82,6 +82,16 @@ def resolve(dca: Any, model_config: Any, block_size: int | None = None) -> DcaPa
     return DcaParams(pretraining_length=c, chunk_size=s, temperature=config.temperature)
 
 
+def resolver(model_config: Any) -> core.DcaResolver:
+    """`resolve` against `model_config`, as `core.plan_for` asks it: (the config's dca setting, MoBA's block size
+    when sparse) -> DCA's parameters or None."""
+
+    def resolve_here(dca: Any, block_size: int | None) -> DcaParams | None:
+        return resolve(dca, model_config, block_size)
+
+    return resolve_here
+
+
 def model_inv_freq(module: torch.nn.Module, device: torch.device) -> torch.Tensor:
     """The RoPE inverse frequencies of the model `module` belongs to (its own rotary class, so rope_scaling
     types linear / llama3 / yarn keep their frequencies; the class `support.check_dca_rope` checked);

@@ -9,9 +9,10 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
+
+from ..kernels.plan import BlockPlan
 
 # the trackers open in this thread (or asyncio task): a forward in another thread records into its own
 _active: contextvars.ContextVar[tuple[SparsityStats, ...]] = contextvars.ContextVar("moba_hf_sparsity", default=())
@@ -92,19 +93,19 @@ def record_attention(
     q: torch.Tensor,
     num_keys: int,
     backend: str | Callable[[], str],
-    moba: Any = None,
+    plan: BlockPlan | None = None,
     selection: Callable[[], torch.Tensor] | None = None,
 ) -> None:
     """Count one prefill attention call of q [B, Hq, Nq, D] over `num_keys` keys, if tracking is on: dense when
-    `moba` is None, else MoBA's selection rule with the gate of `moba` (a MobaConfig). The rule fixes the count
-    of a fixed budget; an adaptive one (`top_p`) is counted on the blocks `selection()` returns ([B, Hq, Nq,
-    n_blocks], asked only while tracking). `backend`: the name to report, or a function giving it (likewise)."""
+    `plan` is None, else the call's MoBA rule, `plan` (`core.AttentionPlan.blocks`): its `attended_pairs` fix
+    the count of a fixed budget; an adaptive one (`top_p`) is counted on the blocks `selection()` returns ([B,
+    Hq, Nq, n_blocks], asked only while tracking). `backend`: the name to report, or a function giving it
+    (likewise)."""
     if not _active.get():
         return
     b, hq, nq = q.shape[:3]
     causal = b * causal_pairs(hq, nq, num_keys)
     attended = causal
-    plan = None if moba is None else moba.plan(nq)
     if plan is not None and plan.gate.top_p is not None and plan.gate.top_p < 1:
         if selection is None:
             raise ValueError("an adaptive budget (top_p) is counted on its selection: pass selection=")

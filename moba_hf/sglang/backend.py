@@ -42,8 +42,7 @@ class MobaPoolMixin:
         super().__init__(model_runner)
         if getattr(self, "use_sliding_window_kv_pool", False):
             raise MobaSetupError("moba_hf: sliding-window attention cannot be combined with MoBA")
-        self.moba = setup.config
-        self.dense_layers = setup.dense if setup.config.sparse else None  # None: every layer dense
+        self.plan = setup.plan  # which keys each query sees, every layer
         self.dca = setup.dca
         self.lists: tuple[list[int], list[int], list[int]] | None = None
         self.dca_delta: torch.Tensor | None = None  # (tokens,) this step's DCA moves; None when none moves
@@ -72,7 +71,7 @@ class MobaPoolMixin:
 
     def dense_layer(self, layer: Any) -> bool:
         """Whether `layer` attends densely: a full-attention layer or sparse = false."""
-        return self.dense_layers is None or layer.layer_id in self.dense_layers
+        return self.plan.dense_layer(layer.layer_id)
 
     def moba_layer(self, layer: Any) -> bool:
         """Whether `layer` runs here: a sparse layer (with DCA, every layer) of plain causal self-attention."""
@@ -87,11 +86,11 @@ class MobaPoolMixin:
 
     def gate_keys_for(self, layer: Any, k_buffer: torch.Tensor) -> PoolGateKeys | None:
         """The layer's pooled keys beside the pool with decode = "moba" (None otherwise); new for a new pool."""
-        if self.moba.decode != "moba" or self.dca is not None or self.dense_layer(layer):
+        if not self.plan.sparse_decode(layer.layer_id):
             return None
         found = self.gate_keys.get(layer.layer_id)
         if found is None or found[0] != k_buffer.data_ptr():
-            found = (k_buffer.data_ptr(), PoolGateKeys(k_buffer, self.moba.block_size, self.moba.pooling))
+            found = (k_buffer.data_ptr(), PoolGateKeys(k_buffer, self.plan.block_size, self.plan.pooling))
             self.gate_keys[layer.layer_id] = found
         return found[1]
 
@@ -129,7 +128,7 @@ class MobaPoolMixin:
             req_pool_indices=rows,
             seq_lens=lens,
             extend_lens=new,
-            config=self.moba,
+            plan=self.plan,
             scale=layer.scaling,
             dense=self.dense_layer(layer),
             dca=self.dca,

@@ -24,7 +24,6 @@ from collections.abc import Sequence
 import torch
 
 from .. import core
-from ..config import MobaConfig
 from ..kernels.checks import gate_dtype
 from ..kernels.pooling import BlockStats
 
@@ -110,7 +109,7 @@ def moba_pool(
     req_pool_indices: Sequence[int],
     seq_lens: Sequence[int],
     extend_lens: Sequence[int],
-    config: MobaConfig,
+    plan: core.AttentionPlan,
     scale: float | None,
     dense: bool = False,
     dca: core.Dca | None = None,
@@ -121,7 +120,8 @@ def moba_pool(
     query, output: (tokens, q_heads, D), the sequences' new tokens one after the other; k_buffer, v_buffer: one
     layer's pool (pool_slots, kv_heads, D), the new tokens' keys already written; req_to_token: (max_requests,
     max_context) slot ids; req_pool_indices, seq_lens, extend_lens: per sequence, its row of req_to_token, its
-    positions so far (new ones included) and how many are new. dense: a full-attention layer (causal attention;
+    positions so far (new ones included) and how many are new; plan: what the server's config resolved to
+    (`startup.Setup.plan`). dense: a full-attention layer (causal attention;
     with `dca`, dense DCA). dca: queries and the pool's keys at their DCA positions. gate_keys: the pooled keys
     beside the pool (decode = "moba"), brought up to date here with the blocks the new tokens complete; decode steps
     then read only their selected blocks.
@@ -134,17 +134,17 @@ def moba_pool(
             continue
         q = query[start:end].transpose(0, 1).unsqueeze(0)
         slots = req_to_token[row, :length]
-        route = core.route(core.runs_dense(config, nq, dense), length, dca)
+        route = core.route(core.runs_dense(plan, nq, dense), length, dca)
         if gate_keys is not None:
             gate_keys.update(k_buffer, slots, length - nq)
             if nq == 1 and route == "moba" and dca is None:
                 cache = PoolCache(k_buffer, v_buffer, slots.long())
-                out = core.decode(q, cache, gate_keys.block_keys(slots, length), config, scale)
+                out = core.decode(q, cache, gate_keys.block_keys(slots, length), plan, scale)
                 output[start:end] = out[0].transpose(0, 1).to(output.dtype)
                 start = end
                 continue
         k = gather_sequence(k_buffer, slots).unsqueeze(0).to(q.dtype)
         v = gather_sequence(v_buffer, slots).unsqueeze(0).to(q.dtype)
-        out = core.attend(q, k, v, config, scale, route, dca)
+        out = core.attend(q, k, v, plan, scale, route, dca)
         output[start:end] = out[0].transpose(0, 1).to(output.dtype)
         start = end

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import serving
+from .. import core, serving
 from ..config import MobaConfig
 from ..integration import rope_remap
 from ..integration.support import rope_type
@@ -36,10 +36,10 @@ DUAL_CHUNK_ROPE_ARCHITECTURES = ("Qwen2ForCausalLM",)
 
 
 class Setup(NamedTuple):
-    config: MobaConfig
-    dense: frozenset[int]  # layer indices of full attention
+    config: MobaConfig  # what the startup checks and the log line read
+    plan: core.AttentionPlan  # what the attention path reads: which keys each query sees, every layer
     where: str  # the config's source, for messages
-    dca: ServedDca | None = None  # Dual Chunk Attention, None when off
+    dca: ServedDca | None = None  # DCA's parameters (`plan.dca`) with the model's RoPE frequencies; None when off
 
 
 def resolve(model_config: Any) -> tuple[MobaConfig, dict[str, Any], str] | None:
@@ -117,7 +117,7 @@ def setup(model_config: Any, cache_dtype: torch.dtype) -> Setup | None:
     dca = dca_setup(model_config, config, where)
     line = f"moba_hf: SGLang attention runs {config} from {where}; dense layers {sorted(dense) or 'none'}"
     logger.warning(line if dca is None else f"{line}; {dca_describe(dca)}")
-    return Setup(config, dense, where, dca)
+    return Setup(config, serving.attention_plan(config, model_config.hf_text_config, where, dca), where, dca)
 
 
 __all__ = [

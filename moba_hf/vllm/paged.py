@@ -26,7 +26,6 @@ from collections.abc import Container, Sequence
 import torch
 
 from .. import core
-from ..config import MobaConfig
 from ..kernels.checks import gate_dtype
 from ..kernels.pooling import BlockStats
 from ..serving import ServedDca  # the DCA moves every server plugin shares
@@ -116,12 +115,10 @@ def is_decode(query_len: int) -> bool:
     return query_len == 1
 
 
-def dense_decodes(query_lens: Sequence[int], config: MobaConfig) -> list[int]:
+def dense_decodes(query_lens: Sequence[int], plan: core.AttentionPlan) -> list[int]:
     """Sequences whose decode step runs dense: every one with decode = "full", none with decode = "moba" (which
     attends MoBA's blocks at every step, whatever the sequence length)."""
-    if config.decode != "full":
-        return []
-    return [i for i, nq in enumerate(query_lens) if is_decode(nq)]
+    return [i for i, nq in enumerate(query_lens) if plan.dense_decode(nq)]
 
 
 def moba_paged(
@@ -135,7 +132,7 @@ def moba_paged(
     query_start_loc: Sequence[int],
     seq_lens: Sequence[int],
     block_table: torch.Tensor,
-    config: MobaConfig,
+    plan: core.AttentionPlan,
     scale: float,
     skip: Container[int] = (),
     dense: bool = False,
@@ -148,8 +145,9 @@ def moba_paged(
     key_cache, value_cache: (num_pages, kv_heads, page_size, D), a layout's views (`layouts`) of vLLM's cache;
     output: (tokens, q_heads, D);
     query_start_loc: (num_seqs + 1,) token offsets; seq_lens: (num_seqs,) keys per sequence including the new
-    ones; block_table: (num_seqs, max_pages). skip: sequences (indices) the caller computes (decode steps it
-    runs on vLLM's dense kernel). dense: causal attention (with DCA: dense DCA) instead of MoBA.
+    ones; block_table: (num_seqs, max_pages); plan: what the engine's config resolved to (`startup.Setup.plan`).
+    skip: sequences (indices) the caller computes (decode steps it runs on vLLM's dense kernel). dense: causal
+    attention (with DCA: dense DCA) instead of MoBA.
     gate_keys: the pooled keys kept beside the cache (up to date for every page): decode steps (decode="moba")
     then read only their selected blocks; without it they gather their whole sequence.
     dca: Dual Chunk Attention, with query and key already moved to p mod s (`ServedDca.move`) and the cache
@@ -161,11 +159,11 @@ def moba_paged(
         if nq == 0 or i in skip:
             continue
         q = query[start:end].transpose(0, 1).unsqueeze(0)
-        route = core.route(core.runs_dense(config, nq, dense), length, dca)
+        route = core.route(core.runs_dense(plan, nq, dense), length, dca)
         if gate_keys is not None and is_decode(nq) and route == "moba" and dca is None:
             pages = block_table[i].long()
             cache = PagedCache(key_cache, value_cache, pages, length)
-            out = core.decode(q, cache, gate_keys.block_keys(pages, length), config, scale)
+            out = core.decode(q, cache, gate_keys.block_keys(pages, length), plan, scale)
             output[start:end] = out[0].transpose(0, 1).to(output.dtype)
             continue
         if nq == length:  # nothing cached before these tokens: read them directly
@@ -175,5 +173,5 @@ def moba_paged(
             k = gather_sequence(key_cache, block_table[i], length)
             v = gather_sequence(value_cache, block_table[i], length)
         k, v = k.unsqueeze(0).to(q.dtype), v.unsqueeze(0).to(q.dtype)
-        out = core.attend(q, k, v, config, scale, route, dca)
+        out = core.attend(q, k, v, plan, scale, route, dca)
         output[start:end] = out[0].transpose(0, 1).to(output.dtype)

@@ -1,6 +1,7 @@
-"""What the CPU and GPU MoBA backends share: the config of a layer, the metadata added to vLLM's, the routing of
-each layer and token, the DCA moves. Each backend (`cpu_backend` over vLLM's CPU backend, `gpu_backend` over its
-Triton backend) is a subclass of vLLM's classes with these mixins first and a cache layout function (`layouts`)::
+"""What the CPU and GPU MoBA backends share: the attention plan (`startup.Setup.plan`), the metadata added to
+vLLM's, the routing of each layer and token, the DCA moves. Each backend (`cpu_backend` over vLLM's CPU backend,
+`gpu_backend` over its Triton backend) is a subclass of vLLM's classes with these mixins first and a cache layout
+function (`layouts`)::
 
     layer dense (full_attn_layers / ids) or sparse = false  ->  vLLM's kernel, the whole batch
     prefill tokens (a prompt, a chunk, a prompt after a cached prefix)  ->  moba_attention per sequence
@@ -68,9 +69,9 @@ class MobaBuilderMixin:
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: VllmConfig, device: Any) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         found = startup.setup(vllm_config)
-        self.moba = found.config if found is not None else None
+        self.plan = found.plan if found is not None else None  # None: no MoBA config, vLLM's backend alone
         self.dca = found.dca if found is not None else None
-        if self.moba is not None:
+        if self.plan is not None:
             self.check_layout()
 
     def check_layout(self) -> None:
@@ -82,7 +83,7 @@ class MobaBuilderMixin:
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False):
         base = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        if self.moba is None or not self.moba_applies():
+        if self.plan is None or not self.moba_applies():
             return base
         common = common_attn_metadata
         starts = common.query_start_loc_cpu[: common.num_reqs + 1].tolist()
@@ -94,7 +95,7 @@ class MobaBuilderMixin:
             delta = self.dca.deltas(starts, lens)
             meta.dca_delta = delta.to(common.query_start_loc.device) if bool(delta.any()) else None
             return meta
-        decodes = dense_decodes(query_lens, self.moba)
+        decodes = dense_decodes(query_lens, self.plan)
         meta.dense_decodes = frozenset(decodes)
         meta.all_dense_decodes = len(decodes) == common.num_reqs
         if decodes and len(decodes) < common.num_reqs:
@@ -152,10 +153,9 @@ class MobaImplMixin:
     ) -> None:
         """After vLLM's __init__: this layer's config, and the refusals that need the layer's arguments."""
         found = startup.setup(get_current_vllm_config()) if attn_type == AttentionType.DECODER else None
-        self.moba = found.config if found is not None else None
-        self.dense_layers = found.dense if found is not None else frozenset()
+        self.plan = found.plan if found is not None else None  # None: no MoBA config, vLLM's backend alone
         self.dca = found.dca if found is not None else None
-        if self.moba is not None:
+        if self.plan is not None:
             unsupported = {
                 "sliding_window": sliding_window,
                 "alibi_slopes": alibi_slopes,
@@ -173,18 +173,18 @@ class MobaImplMixin:
                     f"moba_hf: {type(self).__name__} runs on the {self.platform} platform (its dense parts are "
                     f"vLLM's {self.platform} kernels); this platform is {here}"
                 )
-        self._layer_dense: bool | None = None
+        self._index: int | None = None  # this layer's index in the model (from its name, on first use)
         self._gate_keys: tuple[int, PagedGateKeys] | None = None  # (the cache's data_ptr, its pooled keys)
 
     def _sparse_decode(self, layer: Any) -> bool:
         # decode = "moba" on a MoBA layer: the pooled keys beside the cache are kept in step with it
-        return self.moba is not None and self.moba.decode == "moba" and self.dca is None and not self._dense(layer)
+        return self.plan is not None and self.plan.sparse_decode(self._layer_index(layer))
 
     def _gate_keys_for(self, kv_cache: torch.Tensor) -> PagedGateKeys:
         if self._gate_keys is None or self._gate_keys[0] != kv_cache.data_ptr():
             # first write, or a cache vLLM allocated anew (after its profiling run): nothing in it yet
             key_cache = type(self).layout(kv_cache)[0]
-            self._gate_keys = (kv_cache.data_ptr(), PagedGateKeys(key_cache, self.moba.block_size, self.moba.pooling))
+            self._gate_keys = (kv_cache.data_ptr(), PagedGateKeys(key_cache, self.plan.block_size, self.plan.pooling))
         return self._gate_keys[1]
 
     def _dca_on(self, device: torch.device) -> ServedDca:
@@ -193,16 +193,18 @@ class MobaImplMixin:
             self.dca = dataclasses.replace(self.dca, inv_freq=self.dca.inv_freq.to(device))
         return self.dca
 
+    def _layer_index(self, layer: Any) -> int:
+        if self._index is None:
+            self._index = extract_layer_index(layer.layer_name)
+        return self._index
+
     def _dense(self, layer: Any) -> bool:
-        if self._layer_dense is None:
-            index = extract_layer_index(layer.layer_name)
-            self._layer_dense = index in self.dense_layers or not self.moba.sparse
-        return self._layer_dense
+        return self.plan.dense_layer(self._layer_index(layer))
 
     def do_kv_cache_update(
         self, layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
-        if self.moba is not None and self.dca is not None:
+        if self.plan is not None and self.dca is not None:
             delta = dca_delta(layer)
             if delta is not None:  # keys enter the cache at p mod s, once
                 key = self._dca_on(key.device).move(key, delta)
@@ -227,7 +229,7 @@ class MobaImplMixin:
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if (
-            self.moba is None
+            self.plan is None
             or not isinstance(attn_metadata, MobaFields)
             or output_scale is not None
             or output_block_scale is not None
@@ -242,7 +244,7 @@ class MobaImplMixin:
             query_start_loc=meta.query_start_list,
             seq_lens=meta.seq_len_list,
             block_table=meta.block_table,
-            config=self.moba,
+            plan=self.plan,
             scale=self.scale,
         )
         if self.dca is not None:

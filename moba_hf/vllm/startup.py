@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any, NamedTuple
 
-from .. import logs, serving
+from .. import core, logs, serving
 from ..config import MobaConfig
 from ..options import KV_CACHE_DTYPES
 from ..serving import ENV, QWEN_DCA_SOURCE, MobaSetupError, ServedDca
@@ -30,9 +30,9 @@ DCA_ROPE_TYPES = ("default", "llama3")
 
 
 class Setup(NamedTuple):
-    config: MobaConfig
-    dense: frozenset[int]  # layer indices of full attention
-    dca: ServedDca | None
+    config: MobaConfig  # what the startup checks and the log line read
+    plan: core.AttentionPlan  # what the attention path reads: which keys each query sees, every layer
+    dca: ServedDca | None  # DCA's parameters (`plan.dca`) with the model's RoPE frequencies; None when off
     where: str  # the config's source, for messages
 
 
@@ -46,7 +46,8 @@ def setup(vllm_config: Any) -> Setup | None:
     dense = check(vllm_config, config, options, where)
     dca = dca_setup(vllm_config, config, where)
     logs.once(logging.WARNING, describe(config, dense, where, dca))
-    return Setup(config, dense, dca, where)
+    plan = serving.attention_plan(config, vllm_config.model_config.hf_text_config, where, dca)
+    return Setup(config, plan, dca, where)
 
 
 def resolve(vllm_config: Any) -> tuple[MobaConfig, dict[str, Any], str] | None:
