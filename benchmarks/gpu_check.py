@@ -173,6 +173,8 @@ def decode_check(args: argparse.Namespace, device: str) -> tuple[list[str], list
     import bench_decode as bd
 
     deadline = time.time() + args.decode_budget
+    # a decode step takes well under a millisecond: ten times the kernel rows' repeats; 4 timed model steps per
+    # round, 2 rounds per side (bench_decode's --new-tokens / --rounds)
     repeats, new_tokens, rounds, layers = args.repeats * 10, 4, 2, args.decode_layers
     moba = bd.setting("default", 512, 3)
     sync = torch.cuda.synchronize if device == "cuda" else None
