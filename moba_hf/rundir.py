@@ -1,5 +1,6 @@
 """What eval and train share about an output directory: the lock a run holds on it, and the records read back
-from it, checked field by field.
+from it, checked field by field; and `cache_root()`, the user's moba_hf cache (converted models, file digests,
+compiled kernels).
 
     held = lock_dir(out, why="...", error=RunInUse)   # out/run.lock holds "PID on HOST" while the run lives
     try: ... finally: held.release()                  # or `with lock_dir(...):`; an exception or Ctrl-C releases it
@@ -33,6 +34,11 @@ except ImportError:  # Windows: no flock
     fcntl = None
 
 logger = logging.getLogger("moba_hf")
+
+
+def cache_root() -> Path:
+    """$MOBA_HF_CACHE, default ~/.cache/moba_hf."""
+    return Path(os.environ.get("MOBA_HF_CACHE", Path.home() / ".cache" / "moba_hf"))
 
 LOCK_FILE = "run.lock"
 

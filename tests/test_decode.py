@@ -221,6 +221,149 @@ def test_one_query_step_breaks_ties_as_the_general_path(poison, top_k, monkeypat
     torch.testing.assert_close(out, general, rtol=1e-12, atol=1e-12, equal_nan=True)
 
 
+# --- the native step (CPU float32): the same gate, picks and attention as the torch ops -----------------------------
+# (B, Hq, Hkv, Nk, start, D, block, top_k, pooling, sink, local): its vector paths (D a multiple of 8, runs of 8
+# keys), their scalar tails, query groups up to 8, the picks of several rows reading one block once
+NATIVE_CASES = [
+    (1, 9, 3, 4097, 0, 64, 512, 3, "mean", 0, 0),  # SmolLM2's heads, block 512 / top 3, an own block of one key
+    (2, 8, 1, 1000, 7, 128, 64, 4, "mean", 1, 1),  # one KV head for 8 query heads, left padding
+    (3, 4, 4, 333, 0, 60, 32, 1, "mean", 0, 0),  # D not a multiple of 8, top_k = 1: no gate
+    (2, 6, 2, 901, 3, 40, 100, 5, "bound", 0, 2),
+    (1, 6, 3, 777, 0, 24, 16, 20, "mean+max", 2, 0),  # more picks than the max passes take
+    (2, 4, 2, 517, 0, 8, 5, 3, "max", 1, 1),  # segments shorter than a run of 8 keys
+]
+
+
+def _native_id(c):
+    return "B{}-HQ{}-H{}-T{}-S{}-D{}-blk{}-k{}-{}-s{}l{}".format(*c)
+
+
+def _without_native(monkeypatch) -> None:
+    from moba_hf.kernels import decode as decode_kernels
+
+    monkeypatch.setattr(decode_kernels, "_native_one_query", lambda *args: None)
+
+
+def _needs_native() -> None:
+    from moba_hf.kernels import native
+
+    if not native.available():
+        pytest.skip("no C compiler here: the native step is not built")
+
+
+# the build for this CPU (its vector paths where it has AVX2 and FMA), and one for the architecture's baseline (the
+# plain loops a CPU without them runs)
+PORTABLE_FLAGS = ("-O2", "-fopenmp", "-fPIC", "-shared")
+
+
+@pytest.fixture(params=["this-cpu", "portable"])
+def native_build(request, monkeypatch, tmp_path):
+    from moba_hf.kernels import native
+
+    _needs_native()
+    if request.param == "portable":
+        monkeypatch.setenv("MOBA_HF_CACHE", str(tmp_path))
+        lib = native.load(native.build(native._compiler(), PORTABLE_FLAGS))
+        monkeypatch.setattr(native, "_library", lambda: lib)
+    return request.param
+
+
+@pytest.mark.parametrize("case", NATIVE_CASES, ids=_native_id)
+def test_native_step_equals_the_torch_ops_and_the_reference(case, native_build, monkeypatch):
+    """The native step picks the torch ops' blocks exactly and attends as they and the reference do, up to rounding
+    (one dot product per key, a softmax over the read keys, a sum of value rows)."""
+    b, hq, hkv, nk, start, d, bs, k, pool, sink, local = case
+    gate = dict(block_size=bs, top_k=k, pooling=pool, sink_blocks=sink, local_blocks=local)
+    gen = torch.Generator().manual_seed(nk)
+    q = torch.randn(b, hq, 1, d, generator=gen)
+    keys, values = (torch.randn(b, hkv, nk, d, generator=gen) for _ in range(2))
+    starts = None if start == 0 else torch.full((b,), start)
+    block_keys = block_keys_from_cache(keys, bs, pool, starts)
+    taken = force_path(monkeypatch, "one_query")
+    from moba_hf.kernels import decode as decode_kernels
+
+    native_calls = []
+    real = decode_kernels.native.decode_step
+    monkeypatch.setattr(decode_kernels.native, "decode_step", lambda *a: native_calls.append(1) or real(*a))
+    out, chosen = moba_decode(q, keys, values, block_keys, starts=starts, return_selection=True, **gate)
+    assert taken == ["_one_query"] and native_calls == [1]
+    _without_native(monkeypatch)
+    ops, ops_chosen = moba_decode(q, keys, values, block_keys, starts=starts, return_selection=True, **gate)
+    assert torch.equal(chosen, ops_chosen)
+    tol = rounding_tol(torch.float32, nk, d)
+    torch.testing.assert_close(out, ops, rtol=tol, atol=tol)
+    want = call(moba_attention_reference, q, keys[:, :, start:], values[:, :, start:], **gate)
+    torch.testing.assert_close(out, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_native_step_carries_nan_and_inf_as_the_torch_ops(which, value, native_build, monkeypatch):
+    """Every position poisoned in turn (gated, own and unpicked blocks, the gate's pooled keys through k): the
+    native step gives the torch ops' picks and NaN / inf pattern, and their finite values."""
+    from moba_hf.kernels import decode as decode_kernels
+
+    b, hq, hkv, nk, d, bs = 2, 6, 2, 75, 16, 8
+    gate = dict(block_size=bs, top_k=3)
+    gen = torch.Generator().manual_seed(2)
+    q0 = torch.randn(b, hq, 1, d, generator=gen)
+    k0, v0 = (torch.randn(b, hkv, nk, d, generator=gen) for _ in range(2))
+    force_path(monkeypatch, "one_query")
+    native_step = decode_kernels._native_one_query
+    for index in range(nk if which != "q" else 1):
+        q, k, v = q0.clone(), k0.clone(), v0.clone()
+        {"q": q, "k": k, "v": v}[which][1, 0, index, 3] = value
+        block_keys = block_keys_from_cache(k, bs)
+        monkeypatch.setattr(decode_kernels, "_native_one_query", native_step)
+        got, chosen = moba_decode(q, k, v, block_keys, return_selection=True, **gate)
+        _without_native(monkeypatch)
+        want, want_chosen = moba_decode(q, k, v, block_keys, return_selection=True, **gate)
+        assert torch.equal(chosen, want_chosen), (which, index)
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf()), (which, index)
+        finite = want.isfinite()
+        tol = rounding_tol(torch.float32, nk, d)
+        torch.testing.assert_close(got[finite], want[finite], rtol=tol, atol=tol)
+        assert torch.equal(got[~finite], want[~finite]) or bool(got[~finite].isnan().all())
+
+
+def _native_probe(cache: Path, cc: str | None) -> dict:
+    """In a fresh interpreter with MOBA_HF_CACHE=cache (and CC=cc): whether the native step is available, the built
+    files, and a decode step's output."""
+    code = """
+import json, torch
+from moba_hf.kernels import native
+from moba_hf.kernels.decode import block_keys_from_cache, moba_decode
+gen = torch.Generator().manual_seed(0)
+q = torch.randn(1, 4, 1, 16, generator=gen)
+k, v = (torch.randn(1, 2, 200, 16, generator=gen) for _ in range(2))
+out = moba_decode(q, k, v, block_keys_from_cache(k, 16), block_size=16, top_k=3)
+print(json.dumps({"available": native.available(), "out": out.flatten().tolist()}))
+"""
+    env = {**os.environ, "MOBA_HF_CACHE": str(cache)}
+    if cc is not None:
+        env["CC"] = cc
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    built = {str(p.relative_to(cache)): p.stat().st_mtime_ns for p in cache.rglob("*.so")}
+    return {**found, "built": built}
+
+
+def test_the_native_step_is_built_once_and_without_a_compiler_the_torch_ops_run(tmp_path):
+    """A first process builds the kernel into $MOBA_HF_CACHE, a second loads that file; a process without a C
+    compiler runs the torch ops and computes the same step."""
+    _needs_native()
+    first = _native_probe(tmp_path / "cache", None)
+    second = _native_probe(tmp_path / "cache", None)
+    assert first["available"] and len(first["built"]) == 1
+    assert second["built"] == first["built"]  # the same file, not rebuilt
+    bare = _native_probe(tmp_path / "bare", str(tmp_path / "no-such-cc"))
+    assert not bare["available"] and bare["built"] == {}
+    tol = rounding_tol(torch.float32, 200, 16)
+    torch.testing.assert_close(torch.tensor(bare["out"]), torch.tensor(first["out"]), rtol=tol, atol=tol)
+    assert second["out"] == first["out"]
+
+
 @pytest.mark.parametrize(
     "path, nq, top_k",
     [(path, 2, 3) for path in PATHS] + [("one_query", 1, 3), ("one_query", 1, 6), ("in_place", 1, 3)],

@@ -57,9 +57,13 @@ def _env(venv: Path, **extra: str) -> dict:
     return {**env, **extra}
 
 
-def test_wheel_carries_every_preset_and_task_file(wheel):
+def test_wheel_carries_every_preset_task_and_kernel_source_file(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    for folder, pattern in (("moba_hf/presets", "*.toml"), ("moba_hf/eval/lm_eval_tasks", "*")):
+    for folder, pattern in (
+        ("moba_hf/presets", "*.toml"),
+        ("moba_hf/eval/lm_eval_tasks", "*"),
+        ("moba_hf/kernels/native", "*.c"),  # built at first use on the user's machine
+    ):
         shipped = {f"{folder}/{p.name}" for p in (ROOT / folder).glob(pattern) if p.is_file()}
         assert shipped and shipped <= names, sorted(shipped - names)
 

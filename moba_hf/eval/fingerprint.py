@@ -18,7 +18,7 @@ logger = logging.getLogger("moba_hf")
 
 # the files from_pretrained reads weights from (Trainer checkpoints also hold optimizer.pt, rng_state.pth ...)
 _WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".index.json")
-DIGESTS_FILE = "file_digests.json"  # under models.cache_root(): sha256 per (path, size, mtime_ns, ctime_ns, inode)
+DIGESTS_FILE = "file_digests.json"  # under rundir.cache_root(): sha256 per (path, size, mtime_ns, ctime_ns, inode)
 CACHE_MIN_BYTES = 1 << 26  # smaller files are hashed again (64 MiB: about 50 ms)
 
 
@@ -35,10 +35,10 @@ def _stat_key(path: Path) -> list[int]:
 
 def file_digests(paths: Sequence[Path]) -> dict[Path, str]:
     """sha256 of each file's content, streamed; files of CACHE_MIN_BYTES or more are cached under
-    `models.cache_root()` per (path, size, mtime_ns, ctime_ns, inode), so a multi-GB checkpoint is read once
+    `rundir.cache_root()` per (path, size, mtime_ns, ctime_ns, inode), so a multi-GB checkpoint is read once
     (sha256 runs at about 1.2 GB/s on one core of this project's 2-core build machine, measured 2026-12-03)
     and a resume costs a stat per file."""
-    from ..models import cache_root
+    from ..rundir import cache_root
 
     cache_path = cache_root() / DIGESTS_FILE
     try:

@@ -27,6 +27,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .checks import check_inputs, check_shapes, gate_dtype, needs_grad
 from .nonfinite import masked_matmul
 from .plan import BlockPlan
@@ -349,13 +350,58 @@ def _one_query(q, k, v, block_keys, start, block_size, top_k, scale, gate, retur
             return out
         return out, torch.ones(b, hq, 1, nb, dtype=torch.bool, device=q.device)
     r = b * hq
-    if n_pick == 0:  # top_k = 1: no gate
-        picks = torch.empty(r, 0, dtype=torch.long, device=q.device)
+    done = _native_one_query(q, k, v, block_keys, start, n, block_size, lo, hi, n_pick, scale, gate)
+    if done is not None:
+        out, picks = done
     else:
-        with torch.no_grad():  # one bmm: [B * Hkv, g, W] @ [B * Hkv, W, nb], rows (query head)
-            gate_q = gate_queries(q.to(block_keys.dtype).reshape(b * hkv, hq // hkv, d), gate.pooling)
-            pooled = block_keys.reshape(b * hkv, block_keys.shape[2], -1)[:, :nb]
-            picks = _gated_picks(torch.bmm(gate_q, pooled.transpose(1, 2)).view(r, nb), lo, hi, n_pick)  # - lo
+        picks = _torch_picks(q, block_keys, hkv, nb, lo, hi, n_pick, gate)
+        out = _sparse_one_query(q, k, v, picks, start, n, block_size, lo, hi, n_pick, scale)
+    if not return_selection:
+        return out
+    forced_blocks = _cached(("forced", r, nb, lo, hi, q.device), lambda: _forced_blocks(r, nb, lo, hi, q.device))
+    return out, forced_blocks.clone().scatter_(1, picks + lo, True).view(b, hq, 1, nb)
+
+
+def _torch_picks(q, block_keys, hkv, nb, lo, hi, n_pick, gate):
+    """The gate's picks [R, n_pick] (block index - lo) as torch ops: one bmm [B * Hkv, g, W] @ [B * Hkv, W, nb],
+    rows (query head), then `_gated_picks`."""
+    b, hq, _, d = q.shape
+    if n_pick == 0:  # top_k = 1: no gate
+        return torch.empty(b * hq, 0, dtype=torch.long, device=q.device)
+    with torch.no_grad():
+        gate_q = gate_queries(q.to(block_keys.dtype).reshape(b * hkv, hq // hkv, d), gate.pooling)
+        pooled = block_keys.reshape(b * hkv, block_keys.shape[2], -1)[:, :nb]
+        return _gated_picks(torch.bmm(gate_q, pooled.transpose(1, 2)).view(b * hq, nb), lo, hi, n_pick)
+
+
+def _native_one_query(q, k, v, block_keys, start, n, block_size, lo, hi, n_pick, scale, gate):
+    """`_one_query`'s gate, picks and attention in one call of the native kernel (`native.decode_step`): its
+    output [B, Hq, 1, D] and picks [R, n_pick] (block index - lo), or None where that kernel does not run (then the
+    torch ops below compute the same)."""
+    b, hq, _, d = q.shape
+    hkv, r = k.shape[1], b * hq
+    if q.dtype != torch.float32 or block_keys.dtype != torch.float32:
+        return None
+    if n_pick > native.MAX_PICKS or d > native.MAX_D or hq // hkv > native.MAX_GROUP:
+        return None
+    rows = q.reshape(r, d).contiguous()
+    gate_q = gate_queries(rows, gate.pooling).contiguous()
+    pooled = block_keys.reshape(b * hkv, block_keys.shape[2], -1)  # a view unless the rows are unevenly spaced
+    if pooled.stride(2) != 1:
+        pooled = pooled.contiguous()
+    out = torch.empty(r, d)
+    picks = torch.empty(r, n_pick, dtype=torch.long)
+    cache = (k, v, _row_stride(k), start, n)
+    if not native.decode_step(rows, gate_q, hq // hkv, pooled, cache, (block_size, lo, hi, n_pick), scale, out, picks):
+        return None
+    return out.view(b, hq, 1, d), picks
+
+
+def _sparse_one_query(q, k, v, picks, start, n, block_size, lo, hi, n_pick, scale):
+    """`_one_query`'s attention over the picked and forced keys as torch ops: one sampled q.k product and one
+    weighted gather of value rows. Returns [B, Hq, 1, D]."""
+    b, hq, _, d = q.shape
+    hkv, r = k.shape[1], b * hq
     # row (row, head) reads rows base + position of the storage's rows: its KV head's keys start at head index * step
     step = _row_stride(k)
     base = torch.add(start, _head_rows(b, hq, hkv, q.device), alpha=step)  # [R, 1]
@@ -376,11 +422,7 @@ def _one_query(q, k, v, block_keys, start, block_size, top_k, scale, gate, retur
     # every listed key is attended: a NaN / inf value reaches exactly the rows that attend it, as in the rule.
     # (torch.embedding_bag, not F.embedding_bag: the bags' offsets are crow, not a new arange of the same)
     out = torch.embedding_bag(values, cols.view(-1), crow, False, 0, False, probs.view(-1), True)[0]
-    out = out.view(b, hq, 1, d)
-    if not return_selection:
-        return out
-    forced_blocks = _cached(("forced", r, nb, lo, hi, q.device), lambda: _forced_blocks(r, nb, lo, hi, q.device))
-    return out, forced_blocks.clone().scatter_(1, picks + lo, True).view(b, hq, 1, nb)
+    return out.view(b, hq, 1, d)
 
 
 def _forced_blocks(r: int, nb: int, lo: int, hi: int, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,153 @@
+"""CPU kernels compiled from C at first use, for work that torch ops do in too many small calls.
+
+A sparse decode step reads a few thousand keys: tens of microseconds of arithmetic, which as torch ops is a dozen
+calls of 5-40 µs each (more once the rest of a layer has swept the CPU caches). `decode_step.c` does the gate, the
+pick and the attention in one call. It is built by the system C compiler ($CC, else `cc`) for this machine's CPU
+into $MOBA_HF_CACHE/native/<digest>/ the first time a process needs it (under a second), kept there for later
+processes, and loaded with ctypes; it runs on torch's OpenMP thread pool. Where there is no compiler, or the build
+fails, `decode_step()` says so once in the log and returns None, and the caller runs its torch ops, which compute
+the same attention.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from ... import logs
+from ...rundir import cache_root
+
+logger = logging.getLogger("moba_hf")
+
+SOURCE = Path(__file__).with_name("decode_step.c")
+# -march=native: the binary is for the CPU it was built on (the digest names the CPU); no -ffast-math, which would
+# reorder the sums and drop NaN / inf handling
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+# decode_step.c's limits (its MAX_*): picks per row, head dim, query heads per KV head
+MAX_PICKS, MAX_D, MAX_GROUP = 64, 256, 16
+
+_lock = threading.Lock()
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def _cpu() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+    return "\n".join(dict.fromkeys(lines))
+
+
+def build(compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
+    """The shared library of `decode_step.c` built with `flags`, from the cache when built before."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu().encode()]))
+    target = cache_root() / "native" / digest.hexdigest()[:16] / "decode_step.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # built under a temporary name and renamed: processes building at once each write their own file
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, check=True)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):  # the build line is gcc / clang on Linux
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        logs.once(logging.INFO, "moba_hf: no C compiler ($CC or cc): sparse decode steps run as torch ops")
+        return None
+    try:
+        return load(build(compiler))
+    except (OSError, subprocess.CalledProcessError) as err:
+        detail = err.stderr.strip()[-400:] if isinstance(err, subprocess.CalledProcessError) else str(err)
+        logs.once(logging.WARNING, "moba_hf: building the native decode step failed (%s): torch ops run it", detail)
+        return None
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """The built library at `path`, its entry point typed."""
+    lib = ctypes.CDLL(str(path))
+    fn = lib.moba_decode_step
+    fn.restype = ctypes.c_int
+    # q, gate_q, rows, d, width, group; pooled and its strides; k, v, step, start, n, block size, lo, hi, n_pick;
+    # scale; out, picks; threads
+    fn.argtypes = [*[_ptr] * 2, *[_i64] * 4, _ptr, *[_i64] * 2, *[_ptr] * 2, *[_i64] * 7, ctypes.c_float]
+    fn.argtypes += [_ptr, _ptr, ctypes.c_int]
+    return lib
+
+
+def available() -> bool:
+    """Whether the native decode step is built and loaded (builds it on the first call)."""
+    with _lock:
+        return _library() is not None
+
+
+def decode_step(q, gate_q, group, pooled, cache, blocks, scale, out, picks) -> bool:
+    """One decode step of `decode_step.c` (see there for the layout), or False when the native kernel is not
+    available (nothing written). q [R, D] and gate_q [R, W] contiguous float32; pooled [runs, blocks, W] float32,
+    its last dim contiguous and its runs evenly spaced; cache = (k, v, step, start, n): float32 keys and values
+    laid out as `decode._storage_rows` reads them with row stride `step`, each row's sequence at cache positions
+    start .. start + n - 1; blocks = (block size, lo, hi, n_pick): the candidates lo .. hi - 1 and how many to pick;
+    out [R, D] and picks [R, n_pick] int64 contiguous, written (picks: block index - lo)."""
+    if not available():
+        return False
+    k, v, step, start, n = cache
+    block_size, lo, hi, n_pick = blocks
+    rows, d = q.shape
+    pointers = (q.data_ptr(), gate_q.data_ptr(), pooled.data_ptr(), k.data_ptr(), v.data_ptr())
+    rc = _library().moba_decode_step(
+        *pointers[:2],
+        rows,
+        d,
+        gate_q.shape[1],
+        group,
+        pointers[2],
+        pooled.stride(0),
+        pooled.stride(1),
+        *pointers[3:],
+        step,
+        start,
+        n,
+        block_size,
+        lo,
+        hi,
+        n_pick,
+        scale,
+        out.data_ptr(),
+        picks.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise MemoryError(
+            f"moba_hf: the native decode step failed (code {rc}): out of memory or shapes past its limits"
+        )
+    return True
