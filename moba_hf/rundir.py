@@ -40,6 +40,7 @@ def cache_root() -> Path:
     """$MOBA_HF_CACHE, default ~/.cache/moba_hf."""
     return Path(os.environ.get("MOBA_HF_CACHE", Path.home() / ".cache" / "moba_hf"))
 
+
 LOCK_FILE = "run.lock"
 
 

@@ -326,6 +326,28 @@ def test_native_step_carries_nan_and_inf_as_the_torch_ops(which, value, native_b
         assert torch.equal(got[~finite], want[~finite]) or bool(got[~finite].isnan().all())
 
 
+@pytest.mark.parametrize("top_k", [2, 3])  # the max passes' picks (more picks: topk, any of equal ones)
+@pytest.mark.parametrize("poison", [None, float("nan"), float("inf"), float("-inf")])
+def test_native_step_breaks_ties_by_index(poison, top_k, native_build, monkeypatch):
+    """Copies of one block tie exactly in the native gate, whether it scores them in a run of 8 or alone: it picks
+    the first of equal ones, as `choose_blocks` does on scores that tie exactly (those of float64 here; float32
+    matrix products may round equal columns apart)."""
+    b, hq, hkv, d, bs = 2, 6, 3, 8, 4
+    gen = torch.Generator().manual_seed(3)
+    block = torch.randn(b, hkv, bs, d, generator=gen)
+    keys = torch.cat([block, torch.randn(b, hkv, bs, d, generator=gen)] + [block] * 8, dim=2)
+    keys = torch.cat([keys, torch.randn(b, hkv, 3, d, generator=gen)], dim=2)  # 11 blocks: 10 candidates
+    if poison is not None:
+        keys[:, :, [1, 9, 13], 2] = poison  # blocks 0, 2 and 3
+    q, values = torch.randn(b, hq, 1, d, generator=gen), torch.randn_like(keys)
+    gate = dict(block_size=bs, top_k=top_k)
+    force_path(monkeypatch, "one_query")
+    _, chosen = moba_decode(q, keys, values, block_keys_from_cache(keys, bs), return_selection=True, **gate)
+    wide = [t.double() for t in (q, keys, values)]
+    _, want = moba_decode(*wide, block_keys_from_cache(wide[1], bs), return_selection=True, **gate)
+    assert torch.equal(chosen, want)
+
+
 def _native_probe(cache: Path, cc: str | None) -> dict:
     """In a fresh interpreter with MOBA_HF_CACHE=cache (and CC=cc): whether the native step is available, the built
     files, and a decode step's output."""

@@ -20,21 +20,35 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-/* q.k of 8 consecutive keys (rows of d numbers) into out[0..7]: 8 accumulators, then one transposing reduction */
-static void dot8(const float *q, const float *k, int64_t d, float *out) {
+/* q.k of 8 keys (rows of d numbers, `stride` apart) into out[0..7]: 8 accumulators, then one transposing
+ * reduction */
+static void dot8(const float *q, const float *k, int64_t d, int64_t stride, float *out) {
     __m256 acc[8];
     for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
     int64_t c = 0;
     for (; c + 8 <= d; c += 8) {
         __m256 qv = _mm256_loadu_ps(q + c);
-        for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j * d + c), acc[j]);
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j * stride + c), acc[j]);
     }
     __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
     __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
     __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
     _mm256_storeu_ps(out, sums);
     for (; c < d; c++)
-        for (int j = 0; j < 8; j++) out[j] += q[c] * k[j * d + c];
+        for (int j = 0; j < 8; j++) out[j] += q[c] * k[j * stride + c];
+}
+
+/* dot8's arithmetic for one key: the same products, lanes and reduction tree, so equal keys score equally in a run
+ * of 8 or alone (ties in the gate are broken by index, never by rounding) */
+static float dot1(const float *q, const float *k, int64_t d) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 8 <= d; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + c), acc);
+    float l[8];
+    _mm256_storeu_ps(l, acc);
+    float s = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+    for (; c < d; c++) s += q[c] * k[c];
+    return s;
 }
 
 /* exp of x <= 0 (a softmax's x - max), 8 at a time: Cephes' expf (range reduction by ln 2, degree-5 polynomial,
@@ -61,10 +75,15 @@ static __m256 exp8(__m256 x) {
 }
 #endif
 
+/* q.k of one key: dot1 where dot8 runs, else a plain loop */
 static float dot(const float *a, const float *b, int64_t n) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return dot1(a, b, n);
+#else
     float s = 0.0f;
     for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
     return s;
+#endif
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -168,9 +187,17 @@ static void gate_row(const float *gq, const float *pk, int64_t width, int64_t bl
                      int64_t n_pick, int64_t n, int64_t bs, int64_t *best, segment *sg) {
     float best_score[MAX_PICKS];
     int64_t found = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    float run[8];
+#endif
     for (int64_t j = lo; j < hi; j++) {
-        float s = dot(gq, pk + j * block_stride, width); /* a few dozen blocks: a plain loop */
-        if (s == -INFINITY) s = -3.402823466e38f;      /* as the torch path's clamp to the lowest float */
+#if defined(__AVX2__) && defined(__FMA__)
+        if ((j - lo) % 8 == 0 && j + 8 <= hi) dot8(gq, pk + j * block_stride, width, block_stride, run);
+        float s = (j - lo) / 8 * 8 + lo + 8 <= hi ? run[(j - lo) % 8] : dot(gq, pk + j * block_stride, width);
+#else
+        float s = dot(gq, pk + j * block_stride, width);
+#endif
+        if (s == -INFINITY) s = -3.402823466e38f; /* as the torch path's clamp to the lowest float */
         int64_t at = found; /* after every pick that ranks before it or ties with it */
         while (at > 0 && ranks_before(s, best_score[at - 1])) at--;
         if (at >= n_pick) continue;
@@ -247,7 +274,7 @@ int moba_decode_step(const float *q, const float *gate_q, int64_t rows, int64_t 
                 for (int64_t i = 0; i < rd->users; i++) {
                     int64_t r = rd->user[i] / n_seg;
                     float *sr = scores + r * nnz + segs[rd->user[i]].slot + j;
-                    dot8(q + r * d, kr + j * d, d, sr);
+                    dot8(q + r * d, kr + j * d, d, d, sr);
                     for (int c = 0; c < 8; c++) sr[c] *= scale;
                 }
 #endif
