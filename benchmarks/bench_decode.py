@@ -31,7 +31,9 @@ setting, --rounds rounds each, alternated: a fresh cache filled synthetically (r
 the same for both: a real 16K prefill takes minutes on a small CPU), 2 untimed steps, then --new-tokens timed ones;
 at every thread count of --model-threads (0: torch's default). Checked first: one cached sparse step's logits equal
 the prefill path's on the same cache, and the greedy tokens of every cache kind are equal (MoBA's, and SDPA's).
-Each row carries the read limit: cache keys / the most keys a sparse step reads (the op's ceiling on the ratio).
+Each row carries the read limit: cache keys / the most keys a sparse step reads (the op's ceiling on the ratio), and
+the attention-free limit: SDPA's median step over the median step of the same model whose attention computes nothing
+(timed in the same rounds), the ratio a free attention would reach: the rest of the model bounds every ratio.
 """
 
 from __future__ import annotations
@@ -246,12 +248,16 @@ def check_model_tokens(forwards: dict[str, object], model, context: int, tokens:
     return first
 
 
-def model_step_times(moba_forward, sdpa_forward, models, kind: str, context: int, tokens: int, rounds: int):
-    """Per-step seconds of MoBA and SDPA: `rounds` times a fresh filled cache, WARMUP_STEPS untimed steps, then
-    `tokens` timed steps, MoBA's and SDPA's rounds alternated so both see the same load."""
-    times: tuple[list[float], list[float]] = ([], [])
+def model_step_times(
+    moba_forward, sdpa_forward, models, kind: str, context: int, tokens: int, rounds: int, free=None
+) -> tuple[list[float], ...]:
+    """Per-step seconds of MoBA and SDPA (and of `free` = (forward, model), the attention-free step, when given):
+    `rounds` times a fresh filled cache, WARMUP_STEPS untimed steps, then `tokens` timed steps, the sides' rounds
+    alternated so all see the same load."""
+    sides = [(moba_forward, models[0]), (sdpa_forward, models[1])] + ([free] if free is not None else [])
+    times: tuple[list[float], ...] = tuple([] for _ in sides)
     for _ in range(rounds):
-        for forward, model, out in ((moba_forward, models[0], times[0]), (sdpa_forward, models[1], times[1])):
+        for (forward, model), out in zip(sides, times, strict=True):
             run = ModelDecode(model, forward, kind, context, WARMUP_STEPS + tokens)
             for _ in range(WARMUP_STEPS):
                 run.step()
@@ -260,6 +266,30 @@ def model_step_times(moba_forward, sdpa_forward, models, kind: str, context: int
                 run.step()
                 out.append(time.perf_counter() - t)
     return times
+
+
+FREE_ATTENTION = "bench_attention_free"
+
+
+def attention_free(module, query, key, value, attention_mask, **kwargs):
+    """An attention function that computes nothing (zeros): a step with it costs what everything but attention
+    costs (weights, projections, MLP, the cache write), so SDPA's step time over it bounds any attention's ratio."""
+    b, _, nq, d = query.shape
+    return query.new_zeros(b, nq, query.shape[1], d), None
+
+
+def attention_free_model(sdpa):
+    """A copy of the SDPA model whose attention computes nothing (registered once, masks as SDPA's)."""
+    import copy
+
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(FREE_ATTENTION, attention_free)
+    AttentionMaskInterface.register(FREE_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    free = copy.deepcopy(sdpa)
+    free.set_attn_implementation(FREE_ATTENTION)
+    return free
 
 
 def verify_model_step(model, context: int) -> float:
@@ -291,6 +321,8 @@ def model_rows(args, settings: dict[str, MobaConfig]) -> list[dict]:
     from moba_hf.models import load as load_model
 
     sdpa, _ = load_model("smollm2")
+    free = attention_free_model(sdpa)
+    free_forwards = model_forwards(free, args.caches)
     rows = []
     for name, moba in settings.items():
         model = moba_hf.apply(copy.deepcopy(sdpa), moba)
@@ -306,14 +338,17 @@ def model_rows(args, settings: dict[str, MobaConfig]) -> list[dict]:
                 for load_name in args.loads:
                     with busy(args.busy if load_name == "busy" else 0):
                         for kind in args.caches:
-                            t_moba, t_sdpa = model_step_times(
+                            t_moba, t_sdpa, t_free = model_step_times(
                                 moba_forwards[kind], sdpa_forwards[kind], (model, sdpa), kind, context,
-                                args.new_tokens, args.rounds,
+                                args.new_tokens, args.rounds, free=(free_forwards[kind], free),
                             )  # fmt: skip
+                            free_ms = statistics.median(t_free) * 1e3
                             rows.append(
                                 {"bench": f"smollm2-step-{kind}", **setting_fields(name, moba), "context": context,
                                  "load": load_name, "threads": torch.get_num_threads(),
                                  **timing_fields(t_moba, t_sdpa), "read_limit": read_limit(moba, context),
+                                 "free_median_ms": round(free_ms, 4),
+                                 "free_limit": round(statistics.median(t_sdpa) * 1e3 / free_ms, 3),
                                  "check": f"{diff:.1e}"}
                             )  # fmt: skip
                             print(rows[-1], flush=True)
@@ -410,10 +445,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{common}")
     print(
         "| bench | setting | context | threads | load | MoBA min / median ms | SDPA min / median ms | best | median "
-        "| read limit | median / limit |"
+        "| limit | median / limit |"
     )
     for row in rows:
-        limit = row.get("read_limit")
+        # op rows: the read limit; model rows: the attention-free limit (SDPA's median over a step without attention)
+        limit = row.get("free_limit", row.get("read_limit"))
         beside = f"{limit:.1f}x | {row['speedup_median'] / limit:.0%}" if limit else "- | -"
         print(
             f"| {row['bench']} | {row['setting']} | {row['context']} | {row.get('threads', '-')} | {row['load']} "

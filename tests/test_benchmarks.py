@@ -116,7 +116,7 @@ def test_machine_line_reads_the_vector_isa_from_the_cpu_flags():
 @pytest.mark.slow
 def test_bench_decode_model_rows_check_tokens_then_time_each_cache(tmp_path):
     """The whole-model rows (SmolLM2): every cache kind's greedy tokens checked equal, then one row per cache with
-    the thread count and the read limit."""
+    the thread count, the read limit and the attention-free limit."""
     out = tmp_path / "decode.csv"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--op-contexts", "--settings", "default"]
     cmd += ["--model-contexts", "600", "--caches", "dynamic", "static", "--model-threads", "1", "--loads", "idle"]
@@ -127,6 +127,10 @@ def test_bench_decode_model_rows_check_tokens_then_time_each_cache(tmp_path):
     rows = list(csv.DictReader(out.open()))
     assert [r["bench"] for r in rows] == ["smollm2-step-dynamic", "smollm2-step-static"]
     assert all(r["threads"] == "1" and r["read_limit"] == "4.69" and float(r["speedup_median"]) > 0 for r in rows)
+    # the attention-free step: SDPA's median over it, timed in the same rounds
+    for r in rows:
+        assert float(r["free_median_ms"]) > 0
+        assert float(r["free_limit"]) == pytest.approx(float(r["sdpa_median_ms"]) / float(r["free_median_ms"]), 1e-2)
 
 
 @pytest.mark.slow
