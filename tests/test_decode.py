@@ -263,8 +263,7 @@ def native_build(request, monkeypatch, tmp_path):
     _needs_native()
     if request.param == "portable":
         monkeypatch.setenv("MOBA_HF_CACHE", str(tmp_path))
-        lib = native.load(native.build(native._compiler(), PORTABLE_FLAGS))
-        monkeypatch.setattr(native, "_library", lambda: lib)
+        monkeypatch.setattr(native, "_loaded", native.load(native.build(native._compiler(), PORTABLE_FLAGS)))
     return request.param
 
 
@@ -573,9 +572,10 @@ def test_decode_kernel_float32_and_bad_args():
 @pytest.mark.parametrize("padded", [True, False])  # rows of different lengths / one length (one-block updates)
 @pytest.mark.parametrize("read_every", [1, 3])  # pooled keys re-derived for the blocks of several appends at once
 @pytest.mark.parametrize("pooling", ["mean", "max", "mean+max", "bound"])
-def test_block_state_equals_recomputation_after_every_append(pooling, read_every, padded):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])  # float32: decode steps' native block update
+def test_block_state_equals_recomputation_after_every_append(pooling, read_every, padded, dtype):
     bs, b, hkv, d = 4, 3, 2, 5
-    keys = torch.randn(b, hkv, 44, d, dtype=torch.float64)
+    keys = torch.randn(b, hkv, 44, d, dtype=dtype)
     real = torch.ones(b, 44, dtype=torch.bool)
     if padded:
         real[1, :3] = False  # left padding
@@ -591,8 +591,32 @@ def test_block_state_equals_recomputation_after_every_append(pooling, read_every
         assert state.counts.tolist() == real[:, :n].sum(-1).tolist()
         want = block_keys_from_cache(keys[:, :, :n], bs, pooling, state.starts)
         # a block's sum of bs keys, added in another order: bs roundings of the largest key
-        tol = rounding_tol(torch.float64, bs) * float(keys.abs().max())
+        tol = rounding_tol(dtype, bs) * float(keys.abs().max())
         torch.testing.assert_close(state.block_keys(), want, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("pooling", ["mean", "max", "mean+max", "bound"])
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf")])
+def test_native_block_update_equals_the_torch_ops(pooling, poison, native_build, monkeypatch):
+    """A decode step's block update (one key per row merged into its block, the pooled key re-derived) in one
+    native call equals the torch ops', NaN and inf included, on a static cache's strided new keys."""
+    from moba_hf.kernels import native
+
+    bs, b, hkv, d, n = 4, 2, 3, 16, 23
+    keys = torch.randn(b, hkv, 40, d)[:, :, :n]  # a prefix view: the new keys' rows lie 40 * d apart
+    keys[1, 2, 13, 5] = poison
+    states = []
+    for use_native in (True, False):
+        if not use_native:
+            monkeypatch.setattr(native, "block_append", lambda *args: False)
+        state = moba_cache.BlockState(keys, bs, pooling)
+        state.append(keys[:, :, :9], None)
+        for i in range(9, n):
+            state.append(keys[:, :, i : i + 1], None)
+            states.append(state.block_keys().clone())
+    half = len(states) // 2
+    for got, want in zip(states[:half], states[half:], strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
 def test_block_state_notices_a_gap():

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from .. import core
 from ..kernels import decode as decode_kernels
+from ..kernels import native
 from ..kernels.checks import gate_dtype, needs_grad
 from ..kernels.pooling import BlockStats
 from . import sparsity, state
@@ -182,7 +183,8 @@ class BlockState:
         self.stats = self.pool.empty(b, hkv, 0, dtype=self.dtype, device=keys.device)
         self.pooled = keys.new_zeros(b, hkv, 0, self.pool.width, dtype=self.dtype)
         self._stale = (0, 0)  # blocks lo .. hi - 1 whose pooled keys are out of date
-        self.counts = torch.zeros(b, dtype=torch.long, device=keys.device)
+        self._counts = torch.zeros(b, dtype=torch.long, device=keys.device)
+        self._counts_behind = 0  # decode steps not yet added to _counts (added when counts is read)
         self.starts = torch.zeros(b, dtype=torch.long, device=keys.device)
         self.n = 0
         # host copies read by every decode step (no tensor op, no device sync)
@@ -191,6 +193,18 @@ class BlockState:
         self.keys_ref: weakref.ref | None = None
         if capacity:
             self._reserve(-(-capacity // block_size))
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """[B] real tokens of each row so far (a decode step adds its token here only when this is read: one
+        tensor op fewer per layer and token)."""
+        if self._counts_behind:
+            self._counts, self._counts_behind = self._counts + self._counts_behind, 0
+        return self._counts
+
+    @counts.setter
+    def counts(self, value: torch.Tensor) -> None:
+        self._counts, self._counts_behind = value, 0
 
     def matches(self, keys: torch.Tensor, block_size: int, pooling: str) -> bool:
         b, hkv, _, d = keys.shape
@@ -213,15 +227,15 @@ class BlockState:
         The statistics are kept without autograd history: the gate only selects blocks (no gradient flows
         through the selection, as in the prefill kernels), and the in-place updates of a decode step could not
         be differentiated."""
-        keys = keys.detach()
         t = keys.shape[2]
         if t == 0:
             return
         if real is not None and bool(real.all()):
             real = None
         if real is None and t == 1 and self.min_count == self.max_count:
-            self._append_token(keys[:, :, 0])
+            self._append_token(keys)
             return
+        keys = keys.detach()
         first_block = self.min_count // self.block_size
         if real is None and t == 1:
             # one new token per row (decode, rows of any length): one indexed update of each row's current block
@@ -255,20 +269,25 @@ class BlockState:
         lo, hi = self._stale
         self._stale = (first_block, last_block) if hi <= lo else (min(lo, first_block), max(hi, last_block))
 
-    def _append_token(self, x: torch.Tensor) -> None:
-        """One new real token per row, every row holding as many (a decode step without padding): a few in-place
-        ops on one block, no index tensor (this runs per layer and token)."""
+    def _append_token(self, keys: torch.Tensor) -> None:
+        """One new real token per row (keys [B, Hkv, 1, D]), every row holding as many (a decode step without
+        padding): a few in-place ops on one block, no index tensor (this runs per layer and token)."""
         count = self.min_count
         block = count // self.block_size
         self._reserve(block + 1)
-        self.pool.merge_(self.stats[:, :, block], self.pool.of_keys(x.to(self.dtype)))  # x: [B, Hkv, D]
+        # in one native call where it is built: the merge and the block's pooled key (current, not stale)
+        filled = count + 1 - block * self.block_size
+        pooled = native.block_append(self.pool, self.stats, self.pooled, block, keys, filled)
+        if not pooled:
+            self.pool.merge_(self.stats[:, :, block], self.pool.of_keys(keys[:, :, 0].detach().to(self.dtype)))
         if count == 0:
             self.starts = torch.full_like(self.starts, self.n)
-        self.counts += 1
+        self._counts_behind += 1
         self.min_count = self.max_count = count + 1
         self.n += 1
-        lo, hi = self._stale
-        self._stale = (block, block + 1) if hi <= lo else (min(lo, block), max(hi, block + 1))
+        if not pooled:
+            lo, hi = self._stale
+            self._stale = (block, block + 1) if hi <= lo else (min(lo, block), max(hi, block + 1))
 
     def _accumulate(self, rows: slice, x: torch.Tensor, count: int) -> None:
         """Add x [b, Hkv, r, D], the real tokens count .. count + r - 1 of `rows`, into their blocks."""

@@ -190,8 +190,9 @@ def decode_plan(
     check_decode_args(q, k, v, block_keys, plan, starts=starts, scale=scale)
     cache = DenseCache(k, v)
     bs, top_k, gate = plan.block_size, plan.top_k, plan.gate
-    step = lambda: _decode(q, cache, block_keys, bs, top_k, scale, gate, starts, return_selection)  # noqa: E731
-    if _reads_in_place(q, cache):
+    in_place = _reads_in_place(q, cache)
+    step = lambda: _decode(q, cache, block_keys, bs, top_k, scale, gate, starts, return_selection, in_place)  # noqa: E731
+    if in_place:
         # a few ops over the selected keys in place: run here; handing them to a worker thread costs a wake-up,
         # which on a loaded machine is more than the step itself
         return step()
@@ -271,15 +272,17 @@ def moba_decode_cache(
     cache position 0. q: [B, Hq, Nq, D], the last Nq positions; block_keys as in `moba_decode`; checked by the
     caller (shapes of a paged cache are the caller's to get right)."""
     bs, top_k, gate = plan.block_size, plan.top_k, plan.gate
-    return run_single_threaded(lambda: _decode(q, cache, block_keys, bs, top_k, scale, gate, None, False), q.device)
+    step = lambda: _decode(q, cache, block_keys, bs, top_k, scale, gate, None, False, False)  # noqa: E731
+    return run_single_threaded(step, q.device)
 
 
-def _decode(q, cache, block_keys, block_size, top_k, scale, gate, starts, return_selection):
+def _decode(q, cache, block_keys, block_size, top_k, scale, gate, starts, return_selection, in_place):
+    """in_place: `_reads_in_place(q, cache)` (a `DenseCache` the step reads where it lies)."""
     nk = cache.shape[2]
     scale = q.shape[3] ** -0.5 if scale is None else scale
     # one query (a step of `generate`), rows that start together, the fixed budget, read in place: the short path
     one_query = q.shape[2] == 1 and (gate.top_p is None or gate.top_p >= 1) and isinstance(cache, DenseCache)
-    start = _common_start(starts) if one_query and _reads_in_place(q, cache) else None
+    start = _common_start(starts) if one_query and in_place else None
     if start is not None:
         _check_block_count(block_keys, nk - start, block_size)
         return _one_query(q, cache.k, cache.v, block_keys, start, block_size, top_k, scale, gate, return_selection)
@@ -292,7 +295,7 @@ def _decode(q, cache, block_keys, block_size, top_k, scale, gate, starts, return
     selected = decode_selection(
         q, block_keys[:, :, :needed], lengths, block_size=block_size, top_k=top_k, gate=gate
     )  # [B, Hq, Nq, nb]
-    if isinstance(cache, DenseCache) and _reads_in_place(q, cache):
+    if in_place:
         # no row selects more than its own block, the forced ones and top_k - 1 gated ones
         slots = min(selected.shape[-1], top_k + gate.sink_blocks + gate.local_blocks)
         out = _attend_in_place(q, cache.k, cache.v, selected, slots, starts, block_size, scale)
@@ -350,7 +353,7 @@ def _one_query(q, k, v, block_keys, start, block_size, top_k, scale, gate, retur
             return out
         return out, torch.ones(b, hq, 1, nb, dtype=torch.bool, device=q.device)
     r = b * hq
-    done = _native_one_query(q, k, v, block_keys, start, n, block_size, lo, hi, n_pick, scale, gate)
+    done = _native_one_query(q, k, v, block_keys, start, n, block_size, lo, hi, n_pick, scale, gate, return_selection)
     if done is not None:
         out, picks = done
     else:
@@ -374,27 +377,26 @@ def _torch_picks(q, block_keys, hkv, nb, lo, hi, n_pick, gate):
         return _gated_picks(torch.bmm(gate_q, pooled.transpose(1, 2)).view(b * hq, nb), lo, hi, n_pick)
 
 
-def _native_one_query(q, k, v, block_keys, start, n, block_size, lo, hi, n_pick, scale, gate):
+def _native_one_query(q, k, v, block_keys, start, n, block_size, lo, hi, n_pick, scale, gate, return_selection):
     """`_one_query`'s gate, picks and attention in one call of the native kernel (`native.decode_step`): its
-    output [B, Hq, 1, D] and picks [R, n_pick] (block index - lo), or None where that kernel does not run (then the
-    torch ops below compute the same)."""
+    output [B, Hq, 1, D] and picks [R, n_pick] (block index - lo; None unless `return_selection`), or None where
+    that kernel does not run (then the torch ops below compute the same). A handful of torch calls: after the
+    rest of a layer has swept the CPU caches, each costs tens of microseconds."""
     b, hq, _, d = q.shape
-    hkv, r = k.shape[1], b * hq
-    if q.dtype != torch.float32 or block_keys.dtype != torch.float32:
+    hkv = k.shape[1]
+    if q.dtype != torch.float32 or block_keys.dtype != torch.float32 or not q.is_contiguous():
         return None
     if n_pick > native.MAX_PICKS or d > native.MAX_D or hq // hkv > native.MAX_GROUP:
         return None
-    rows = q.reshape(r, d).contiguous()
-    gate_q = gate_queries(rows, gate.pooling).contiguous()
-    pooled = block_keys.reshape(b * hkv, block_keys.shape[2], -1)  # a view unless the rows are unevenly spaced
-    if pooled.stride(2) != 1:
-        pooled = pooled.contiguous()
-    out = torch.empty(r, d)
-    picks = torch.empty(r, n_pick, dtype=torch.long)
-    cache = (k, v, _row_stride(k), start, n)
-    if not native.decode_step(rows, gate_q, hq // hkv, pooled, cache, (block_size, lo, hi, n_pick), scale, out, picks):
+    if block_keys.stride(3) != 1 or (b > 1 and hkv > 1 and block_keys.stride(0) != hkv * block_keys.stride(1)):
         return None
-    return out.view(b, hq, 1, d), picks
+    gate_q = None if gate.pooling == "mean" else gate_queries(q.reshape(b * hq, d), gate.pooling).contiguous()
+    out = torch.empty_like(q)
+    picks = torch.empty(b * hq, n_pick, dtype=torch.long) if return_selection else None
+    cache = (k, v, _row_stride(k), start, n)
+    if not native.decode_step(q, gate_q, block_keys, cache, (block_size, lo, hi, n_pick), scale, out, picks):
+        return None
+    return out, picks
 
 
 def _sparse_one_query(q, k, v, picks, start, n, block_size, lo, hi, n_pick, scale):

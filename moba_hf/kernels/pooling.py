@@ -53,14 +53,15 @@ class BlockStats:
         return gate_width(self.head_dim, self.pooling)
 
     @property
-    def _split(self) -> int:  # where the max part starts
+    def max_start(self) -> int:
+        """Where the maxima start in the statistics (after the sums, if any)."""
         return self.head_dim if self.sums else 0
 
     def empty(self, *shape: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
         """Statistics of no keys, [*shape, width]: zero sums, -inf maxima."""
         stats = torch.zeros(*shape, self.width, dtype=dtype, device=device)
         if self.maxes:
-            stats[..., self._split :] = float("-inf")
+            stats[..., self.max_start :] = float("-inf")
         return stats
 
     def reduce(self, keys: torch.Tensor, dim: int) -> torch.Tensor:
@@ -96,7 +97,7 @@ class BlockStats:
             return stats.sum(dim=dim)
         if not self.sums:
             return stats.amax(dim=dim)
-        split = self._split
+        split = self.max_start
         return torch.cat([stats[..., :split].sum(dim=dim), stats[..., split:].amax(dim=dim)], dim=-1)
 
     def of_keys(self, keys: torch.Tensor) -> torch.Tensor:
@@ -111,12 +112,12 @@ class BlockStats:
             return a + b
         if not self.sums:
             return torch.maximum(a, b)
-        split = self._split
+        split = self.max_start
         return torch.cat([a[..., :split] + b[..., :split], torch.maximum(a[..., split:], b[..., split:])], dim=-1)
 
     def merge_(self, stats: torch.Tensor, more: torch.Tensor) -> None:
         """`merged` written into `stats` (in place, no temporaries)."""
-        split = self._split
+        split = self.max_start
         if self.sums:
             stats[..., :split] += more[..., :split]
         if self.maxes:
@@ -125,7 +126,7 @@ class BlockStats:
 
     def scattered(self, stats: torch.Tensor, dim: int, index: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """stats with keys [..., r, ..., D] added into the entries `index` (r,) names along `dim`."""
-        split = self._split
+        split = self.max_start
         parts = []
         if self.sums:
             parts.append(stats[..., :split].index_add(dim, index, keys))
@@ -141,7 +142,7 @@ class BlockStats:
         """Pooled keys from statistics [..., width] of `counts` keys each (a float tensor broadcast against
         stats[..., 0], or one int for all): the mean part divided by the count, the max part zero where there is
         no key."""
-        split = self._split
+        split = self.max_start
         parts = []
         if isinstance(counts, int):  # one count (whole blocks): no per-entry mask
             if self.sums:
@@ -157,7 +158,7 @@ class BlockStats:
 
     def pool_into(self, stats: torch.Tensor, count: int, out: torch.Tensor) -> None:
         """`pooled` for statistics of one count, written into `out` (in place, no temporaries)."""
-        split = self._split
+        split = self.max_start
         if self.sums:
             torch.div(stats[..., :split], max(count, 1), out=out[..., :split])
         if self.maxes:

@@ -102,52 +102,77 @@ def load(path: Path) -> ctypes.CDLL:
     # scale; out, picks; threads
     fn.argtypes = [*[_ptr] * 2, *[_i64] * 4, _ptr, *[_i64] * 2, *[_ptr] * 2, *[_i64] * 7, ctypes.c_float]
     fn.argtypes += [_ptr, _ptr, ctypes.c_int]
+    append = lib.moba_block_append
+    append.restype = None
+    # stats, its stride; pooled, its stride; x, its stride; runs, d, width, split; bound; count
+    append.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, *[_i64] * 4, ctypes.c_int, _i64]
     return lib
 
 
+_loaded: ctypes.CDLL | None = None  # the library once loaded: read without the lock by every step
+
+
+def _get() -> ctypes.CDLL | None:
+    global _loaded
+    if _loaded is None:
+        with _lock:
+            _loaded = _library()
+    return _loaded
+
+
 def available() -> bool:
-    """Whether the native decode step is built and loaded (builds it on the first call)."""
-    with _lock:
-        return _library() is not None
+    """Whether the native kernels are built and loaded (builds them on the first call)."""
+    return _get() is not None
 
 
-def decode_step(q, gate_q, group, pooled, cache, blocks, scale, out, picks) -> bool:
+def decode_step(q, gate_q, pooled, cache, blocks, scale, out, picks) -> bool:
     """One decode step of `decode_step.c` (see there for the layout), or False when the native kernel is not
-    available (nothing written). q [R, D] and gate_q [R, W] contiguous float32; pooled [runs, blocks, W] float32,
-    its last dim contiguous and its runs evenly spaced; cache = (k, v, step, start, n): float32 keys and values
-    laid out as `decode._storage_rows` reads them with row stride `step`, each row's sequence at cache positions
-    start .. start + n - 1; blocks = (block size, lo, hi, n_pick): the candidates lo .. hi - 1 and how many to pick;
-    out [R, D] and picks [R, n_pick] int64 contiguous, written (picks: block index - lo)."""
-    if not available():
+    available (nothing written). q [B, Hq, 1, D] contiguous float32; gate_q: q's features for the gate, [B * Hq, W]
+    contiguous (None: q itself); pooled [B, Hkv, blocks, W] float32, its last dim contiguous, its (row, head) runs
+    evenly spaced (checked by the caller); cache = (k, v, step, start, n): float32 keys and values laid out as
+    `decode._storage_rows` reads them with row stride `step`, each row's sequence at cache positions start ..
+    start + n - 1; blocks = (block size, lo, hi, n_pick): the candidates lo .. hi - 1 and how many to pick; out
+    [B, Hq, 1, D] contiguous, written; picks: None, or [B * Hq, n_pick] int64 contiguous, written with block index
+    - lo."""
+    lib = _get()
+    if lib is None:
         return False
     k, v, step, start, n = cache
     block_size, lo, hi, n_pick = blocks
-    rows, d = q.shape
-    pointers = (q.data_ptr(), gate_q.data_ptr(), pooled.data_ptr(), k.data_ptr(), v.data_ptr())
-    rc = _library().moba_decode_step(
-        *pointers[:2],
-        rows,
-        d,
-        gate_q.shape[1],
-        group,
-        pointers[2],
-        pooled.stride(0),
-        pooled.stride(1),
-        *pointers[3:],
-        step,
-        start,
-        n,
-        block_size,
-        lo,
-        hi,
-        n_pick,
-        scale,
-        out.data_ptr(),
-        picks.data_ptr(),
-        torch.get_num_threads(),
-    )
+    b, hq, _, d = q.shape
+    hkv = k.shape[1]
+    rc = lib.moba_decode_step(
+        q.data_ptr(), (q if gate_q is None else gate_q).data_ptr(), b * hq, d, pooled.shape[3], hq // hkv,
+        pooled.data_ptr(), pooled.stride(1) if hkv > 1 else pooled.stride(0), pooled.stride(2),
+        k.data_ptr(), v.data_ptr(), step, start, n, block_size, lo, hi, n_pick, scale,
+        out.data_ptr(), None if picks is None else picks.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
     if rc != 0:
         raise MemoryError(
             f"moba_hf: the native decode step failed (code {rc}): out of memory or shapes past its limits"
         )
+    return True
+
+
+def block_append(pool, stats: torch.Tensor, pooled: torch.Tensor, block: int, keys: torch.Tensor, count: int) -> bool:
+    """One new key per row merged into block `block` of the statistics and its pooled key re-derived (`pool`, a
+    `BlockStats`: its merge_ then pool_into), in one call; False (nothing written) where the native kernel is not
+    available or the tensors are not float32 with evenly spaced (row, head) runs. stats, pooled: [B, Hkv, blocks,
+    W]; keys: [B, Hkv, 1, D], the new keys; count: the block's keys after the merge."""
+    lib = _get()
+    if lib is None or not all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (stats, pooled, keys)):
+        return False
+    b, hkv = keys.shape[:2]
+    runs = []
+    for t in (stats, pooled, keys):
+        if t.stride(-1) != 1 or (b > 1 and hkv > 1 and t.stride(0) != hkv * t.stride(1)):
+            return False
+        runs.append(t.stride(1) if hkv > 1 else t.stride(0))
+    size = stats.element_size()
+    lib.moba_block_append(
+        stats.data_ptr() + block * stats.stride(2) * size, runs[0],
+        pooled.data_ptr() + block * pooled.stride(2) * size, runs[1],
+        keys.data_ptr(), runs[2], b * hkv, pool.head_dim, pool.width, pool.max_start, int(pool.pooling == "bound"),
+        count,
+    )  # fmt: skip
     return True

@@ -237,10 +237,12 @@ int moba_decode_step(const float *q, const float *gate_q, int64_t rows, int64_t 
     segment *segs = malloc(sizeof(segment) * rows * n_seg);
     shared *reads = malloc(sizeof(shared) * runs * per_run);
     int64_t *n_reads = malloc(sizeof(int64_t) * runs);
-    if (!scores || !partial || !inv_sum || !segs || !reads || !n_reads) {
-        free(scores); free(partial); free(inv_sum); free(segs); free(reads); free(n_reads);
+    int64_t *scratch = picks ? NULL : malloc(sizeof(int64_t) * (rows * n_pick + 1)); /* picks NULL: not asked for */
+    if (!scores || !partial || !inv_sum || !segs || !reads || !n_reads || (!picks && !scratch)) {
+        free(scores); free(partial); free(inv_sum); free(segs); free(reads); free(n_reads); free(scratch);
         return 1;
     }
+    if (!picks) picks = scratch;
 #pragma omp parallel num_threads(threads)
     {
         /* each row's picks and segments; then its run's distinct segments */
@@ -313,6 +315,30 @@ int moba_decode_step(const float *q, const float *gate_q, int64_t rows, int64_t 
                 for (int64_t c = 0; c < d; c++) o[c] += partial[(r * n_seg + m) * d + c];
         }
     }
-    free(scores); free(partial); free(inv_sum); free(segs); free(reads); free(n_reads);
+    free(scores); free(partial); free(inv_sum); free(segs); free(reads); free(n_reads); free(scratch);
     return 0;
+}
+
+/* One new key per run merged into its block's statistics, and the block's pooled key re-derived from them
+ * (kernels.pooling.BlockStats: merge_, then pool_into). stats and pooled: the block's rows of `width` numbers, one
+ * per run, `*_stride` apart; x: the new keys, rows of d numbers `x_stride` apart. The sums are stats[0, split), the
+ * maxima stats[split, width) over the features x ("bound": [x, -x]); count: the block's keys after the merge. */
+void moba_block_append(float *stats, int64_t stats_stride, float *pooled, int64_t pooled_stride, const float *x,
+                       int64_t x_stride, int64_t runs, int64_t d, int64_t width, int64_t split, int bound,
+                       int64_t count) {
+    const float divisor = (float)(count > 1 ? count : 1);
+    for (int64_t r = 0; r < runs; r++) {
+        float *s = stats + r * stats_stride, *p = pooled + r * pooled_stride;
+        const float *xr = x + r * x_stride;
+        for (int64_t c = 0; c < split; c++) {
+            s[c] += xr[c];
+            p[c] = s[c] / divisor;
+        }
+        for (int64_t c = 0; c < width - split; c++) {
+            const float f = bound && c >= d ? -xr[c - d] : xr[c];
+            const float m = s[split + c];
+            s[split + c] = isnan(m) || isnan(f) ? NAN : (f > m ? f : m); /* torch.maximum: a NaN wins */
+            p[split + c] = s[split + c];
+        }
+    }
 }
