@@ -203,17 +203,18 @@ def flop_limit(n: int, block_size: int, top_k: int, sink_blocks: int = 0, local_
 
 
 def append_rows(path: Path, rows: list[dict]) -> None:
-    """Append CSV rows; a file written before a column existed is rewritten with the new columns (left empty)."""
+    """Append CSV rows; a file written before a column existed is rewritten with the new columns, and a row without
+    a column leaves it empty."""
     old: list[dict] = []
-    fields = list(rows[0])
+    fields = list(dict.fromkeys(c for row in rows for c in row))
     if path.exists():
         with path.open(newline="") as f:
             reader = csv.DictReader(f)
             old = list(reader)
-            fields = list(reader.fieldnames or []) + [c for c in rows[0] if c not in (reader.fieldnames or [])]
+            fields = list(reader.fieldnames or []) + [c for c in fields if c not in (reader.fieldnames or [])]
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
+        writer = csv.DictWriter(f, fieldnames=fields, restval="")
         writer.writeheader()
         writer.writerows(old + rows)
 
