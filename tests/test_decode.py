@@ -251,19 +251,20 @@ def _needs_native() -> None:
         pytest.skip("no C compiler here: the native step is not built")
 
 
-# the build for this CPU (its vector paths where it has AVX2 and FMA), and one for the architecture's baseline (the
-# plain loops a CPU without them runs)
+# the build for this CPU (its vector paths where it has AVX2 and FMA), one for the architecture's baseline (the
+# plain loops a CPU without them runs), and the one a compiler without OpenMP makes (one thread)
 PORTABLE_FLAGS = ("-O2", "-fopenmp", "-fPIC", "-shared")
 
 
-@pytest.fixture(params=["this-cpu", "portable"])
+@pytest.fixture(params=["this-cpu", "portable", "serial"])
 def native_build(request, monkeypatch, tmp_path):
     from moba_hf.kernels import native
 
     _needs_native()
-    if request.param == "portable":
+    if request.param != "this-cpu":
+        flags = PORTABLE_FLAGS if request.param == "portable" else native.SERIAL_FLAGS
         monkeypatch.setenv("MOBA_HF_CACHE", str(tmp_path))
-        monkeypatch.setattr(native, "_loaded", native.load(native.build(native._compiler(), PORTABLE_FLAGS)))
+        monkeypatch.setattr(native, "_loaded", native.load(native.build(native._compiler(), flags)))
     return request.param
 
 
@@ -372,7 +373,7 @@ print(json.dumps({"available": native.available(), "out": out.flatten().tolist()
 
 def test_the_native_step_is_built_once_and_without_a_compiler_the_torch_ops_run(tmp_path):
     """A first process builds the kernel into $MOBA_HF_CACHE, a second loads that file; a process without a C
-    compiler runs the torch ops and computes the same step."""
+    compiler, or whose cache directory cannot be made, runs the torch ops and computes the same step."""
     _needs_native()
     first = _native_probe(tmp_path / "cache", None)
     second = _native_probe(tmp_path / "cache", None)
@@ -380,8 +381,12 @@ def test_the_native_step_is_built_once_and_without_a_compiler_the_torch_ops_run(
     assert second["built"] == first["built"]  # the same file, not rebuilt
     bare = _native_probe(tmp_path / "bare", str(tmp_path / "no-such-cc"))
     assert not bare["available"] and bare["built"] == {}
+    (tmp_path / "a-file").write_text("")
+    unwritable = _native_probe(tmp_path / "a-file" / "cache", None)  # the cache directory cannot be made
+    assert not unwritable["available"]
     tol = rounding_tol(torch.float32, 200, 16)
-    torch.testing.assert_close(torch.tensor(bare["out"]), torch.tensor(first["out"]), rtol=tol, atol=tol)
+    for other in (bare, unwritable):
+        torch.testing.assert_close(torch.tensor(other["out"]), torch.tensor(first["out"]), rtol=tol, atol=tol)
     assert second["out"] == first["out"]
 
 

@@ -35,6 +35,7 @@ SOURCE = Path(__file__).with_name("decode_step.c")
 # -march=native: the binary is for the CPU it was built on (the digest names the CPU); no -ffast-math, which would
 # reorder the sums and drop NaN / inf handling
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+SERIAL_FLAGS = tuple(f for f in FLAGS if f != "-fopenmp")  # a compiler without OpenMP: one thread per step
 # decode_step.c's limits (its MAX_*): picks per row, head dim, query heads per KV head
 MAX_PICKS, MAX_D, MAX_GROUP = 64, 256, 16
 
@@ -85,12 +86,14 @@ def _library() -> ctypes.CDLL | None:
     if compiler is None:
         logs.once(logging.INFO, "moba_hf: no C compiler ($CC or cc): sparse decode steps run as torch ops")
         return None
-    try:
-        return load(build(compiler))
-    except (OSError, subprocess.CalledProcessError) as err:
-        detail = err.stderr.strip()[-400:] if isinstance(err, subprocess.CalledProcessError) else str(err)
-        logs.once(logging.WARNING, "moba_hf: building the native decode step failed (%s): torch ops run it", detail)
-        return None
+    failures = []
+    for flags in (FLAGS, SERIAL_FLAGS):
+        try:
+            return load(build(compiler, flags))
+        except (OSError, subprocess.CalledProcessError) as err:
+            failures.append(err.stderr.strip()[-300:] if isinstance(err, subprocess.CalledProcessError) else str(err))
+    logs.once(logging.WARNING, "moba_hf: building the native decode step failed (%s): torch ops run it", failures[-1])
+    return None
 
 
 def load(path: Path) -> ctypes.CDLL:
