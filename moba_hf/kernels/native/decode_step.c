@@ -222,6 +222,11 @@ static void gate_row(const float *gq, const float *pk, int64_t width, int64_t bl
     }
 }
 
+/* work item `item`: distinct segment item % per_run of run item / per_run, or NULL past the run's count */
+static const shared *item_read(const shared *reads, const int64_t *n_reads, int64_t item, int64_t per_run) {
+    return item % per_run < n_reads[item / per_run] ? reads + item : NULL;
+}
+
 int moba_decode_step(const float *q, const float *gate_q, int64_t rows, int64_t d, int64_t width, int64_t group,
                      const float *pooled, int64_t pooled_run_stride, int64_t pooled_block_stride,
                      const float *k, const float *v, int64_t step, int64_t start, int64_t n, int64_t bs, int64_t lo,
@@ -266,10 +271,9 @@ int moba_decode_step(const float *q, const float *gate_q, int64_t rows, int64_t 
         /* scores: each distinct segment's keys are read once, for every row that reads them */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < runs * per_run; item++) {
-            int64_t u = item / per_run;
-            if (item % per_run >= n_reads[u]) continue;
-            const shared *rd = reads + item;
-            const float *kr = k + (u * step + start + rd->pos) * d;
+            const shared *rd = item_read(reads, n_reads, item, per_run);
+            if (!rd) continue;
+            const float *kr = k + ((item / per_run) * step + start + rd->pos) * d;
             int64_t j = 0;
 #if defined(__AVX2__) && defined(__FMA__)
             for (; j + 8 <= rd->len; j += 8)
@@ -296,10 +300,9 @@ int moba_decode_step(const float *q, const float *gate_q, int64_t rows, int64_t 
         /* weighted sums of each distinct segment's values, one partial sum per user */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < runs * per_run; item++) {
-            int64_t u = item / per_run;
-            if (item % per_run >= n_reads[u]) continue;
-            const shared *rd = reads + item;
-            const float *vr = v + (u * step + start + rd->pos) * d;
+            const shared *rd = item_read(reads, n_reads, item, per_run);
+            if (!rd) continue;
+            const float *vr = v + ((item / per_run) * step + start + rd->pos) * d;
             for (int64_t i = 0; i < rd->users; i++) {
                 int64_t r = rd->user[i] / n_seg;
                 const float *pr = scores + r * nnz + segs[rd->user[i]].slot;
