@@ -78,6 +78,36 @@ def test_static_cache_generates_as_the_dynamic_cache_and_the_full_forward(name, 
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["B1", "B2-left-padded"])
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_float32_steps_take_the_native_step_and_equal_the_full_forward(kind, padded, monkeypatch):
+    """A float32 model (where the native step runs, when built): rows of one length take it at every sparse step,
+    its block update too; rows of other lengths the torch ops. Greedy tokens and logits equal the full forward's
+    over each prefix, within float32 rounding."""
+    from kernel_cases import rounding_tol
+
+    from moba_hf.kernels import native
+
+    model = tiny_model("llama", CASES["moba"], pad_token_id=0, dtype=torch.float32)
+    ids, mask = _prompt(padded)
+    calls = {"decode_step": 0, "block_append": 0}
+    for name in calls:
+        real = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *a, _r=real, _n=name: calls.update({_n: calls[_n] + 1}) or _r(*a))
+    got, logits = _generate(model, ids, mask, **({} if kind == "dynamic" else {"cache_implementation": "static"}))
+    layers = model.config.num_hidden_layers
+    steps = (NEW - 1) * layers if native.available() and not padded else 0
+    # the first sparse step builds each layer's block state from all its keys: later steps append one key
+    assert calls == {"decode_step": steps, "block_append": max(0, steps - layers)}
+    full_mask = torch.cat([mask, torch.ones(mask.shape[0], NEW - 1, dtype=mask.dtype)], dim=1)
+    with torch.no_grad():
+        full = model(got[:, :-1], attention_mask=full_mask).logits[:, PROMPT - 1 :]
+    sizes = (PROMPT + NEW, TINY["hidden_size"], TINY["intermediate_size"], TINY["vocab_size"])
+    tol = layers * rounding_tol(torch.float32, *sizes) * max(1.0, float(full.abs().max()))
+    torch.testing.assert_close(logits, full, rtol=0, atol=tol)
+    assert torch.equal(full.argmax(-1), got[:, PROMPT:])
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["B1", "B2-left-padded"])
 def test_static_sparse_steps_read_the_written_slots_in_place(padded, one_thread, monkeypatch):
     """On CPU in float64 a sparse step over a static cache is one in-place read of the written slots' prefix views
     (rows of one length: the one-query step; left-padded rows of other lengths: the general one), no window copied."""
