@@ -144,12 +144,11 @@ def decode_step(q, gate_q, pooled, cache, blocks, scale, out, picks) -> bool:
     block_size, lo, hi, n_pick = blocks
     b, hq, _, d = q.shape
     hkv = k.shape[1]
-    rc = lib.moba_decode_step(
-        q.data_ptr(), (q if gate_q is None else gate_q).data_ptr(), b * hq, d, pooled.shape[3], hq // hkv,
-        pooled.data_ptr(), pooled.stride(1) if hkv > 1 else pooled.stride(0), pooled.stride(2),
-        k.data_ptr(), v.data_ptr(), step, start, n, block_size, lo, hi, n_pick, scale,
-        out.data_ptr(), None if picks is None else picks.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
+    queries = (q.data_ptr(), (q if gate_q is None else gate_q).data_ptr(), b * hq, d, pooled.shape[3], hq // hkv)
+    gate = (pooled.data_ptr(), pooled.stride(1) if hkv > 1 else pooled.stride(0), pooled.stride(2))
+    keys = (k.data_ptr(), v.data_ptr(), step, start, n, block_size, lo, hi, n_pick, scale)
+    written = (out.data_ptr(), None if picks is None else picks.data_ptr(), torch.get_num_threads())
+    rc = lib.moba_decode_step(*queries, *gate, *keys, *written)
     if rc != 0:
         raise MemoryError(
             f"moba_hf: the native decode step failed (code {rc}): out of memory or shapes past its limits"
@@ -172,10 +171,8 @@ def block_append(pool, stats: torch.Tensor, pooled: torch.Tensor, block: int, ke
             return False
         runs.append(t.stride(1) if hkv > 1 else t.stride(0))
     size = stats.element_size()
-    lib.moba_block_append(
-        stats.data_ptr() + block * stats.stride(2) * size, runs[0],
-        pooled.data_ptr() + block * pooled.stride(2) * size, runs[1],
-        keys.data_ptr(), runs[2], b * hkv, pool.head_dim, pool.width, pool.max_start, int(pool.pooling == "bound"),
-        count,
-    )  # fmt: skip
+    rows = [stats.data_ptr() + block * stats.stride(2) * size, runs[0]]
+    rows += [pooled.data_ptr() + block * pooled.stride(2) * size, runs[1], keys.data_ptr(), runs[2]]
+    shape = (b * hkv, pool.head_dim, pool.width, pool.max_start, int(pool.pooling == "bound"), count)
+    lib.moba_block_append(*rows, *shape)
     return True
