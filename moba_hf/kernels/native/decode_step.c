@@ -5,13 +5,19 @@
  * run * step + start + p of k and v (rows of D numbers). Its keys, in order: the picked blocks (in pick order), then
  * the forced ones: the sink blocks [0, lo * bs) and the tail [hi * bs, n) (local blocks and its own block).
  *
- * The arithmetic is the torch path's: scores = scale * q.k, softmax (max, exp, sum, divide) over every listed key,
- * out = sum of probs * v. A NaN or inf propagates as there: every listed key is attended, nothing is masked.
+ * The arithmetic is the torch path's up to rounding: scores = scale * q.k, softmax over every listed key, out = sum of
+ * probs * v; the softmax is taken per segment (max, exp, sum) and the segments' shares rescaled to the row's max,
+ * as flash-decoding does. A NaN or inf propagates as there: every listed key is attended, nothing is masked.
  * Built with -fopenmp in a process that has loaded torch: it runs on torch's OpenMP runtime and thread pool. */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define MAX_D 256     /* head dims up to this */
 #define MAX_GROUP 16  /* query heads per KV head up to this */
@@ -222,9 +228,59 @@ static void gate_row(const float *gq, const float *pk, int64_t width, int64_t bl
     }
 }
 
-/* work item `item`: distinct segment item % per_run of run item / per_run, or NULL past the run's count */
-static const shared *item_read(const shared *reads, const int64_t *n_reads, int64_t item, int64_t per_run) {
-    return item % per_run < n_reads[item / per_run] ? reads + item : NULL;
+/* a segment's share of its row's softmax: the scores' max m, sum of exp(score - m) and sum of exp(score - m) * v,
+ * combined across the row's segments at the end (each rescaled by exp(m - the row's max)) */
+static void segment_share(float *sr, const float *vr, int64_t d, int64_t len, float *mx, float *sum, float *acc) {
+    *mx = max_of(sr, len);
+    if (*mx == -INFINITY) { /* exp(-inf - -inf) would be NaN: the segment adds nothing unless every score is -inf */
+        *sum = 0.0f;
+        memset(acc, 0, sizeof(float) * d);
+        return;
+    }
+    *sum = exp_sum(sr, len, *mx);
+    wsum(sr, 1.0f, vr, d, len, acc);
+}
+
+/* On a busy machine the OS deschedules a thread for a time slice (milliseconds, where a step takes a fraction of
+ * one), and the step's one wait on its threads then lasts that long. After such a wait the next calls run on the
+ * calling thread alone, computing the same (each work item is computed alike on any thread, and the rows' shares
+ * are combined in one order), a run of calls that doubles while the waits go on and ends when one does not. */
+#define STALL_NS 500000     /* a wait past this (and past the caller's own work) is a descheduled thread */
+#define SERIAL_RUN_MIN 64   /* calls */
+#define SERIAL_RUN_MAX 4096
+static atomic_llong serial_left; /* calls left to run on one thread */
+static atomic_llong serial_run;  /* the length of the next such run after a wait (0: the first) */
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* the threads a call with n_items work items runs on, `asked` (torch's setting) or one */
+static int threads_for(int asked, int64_t n_items) {
+#ifndef _OPENMP
+    return 1;
+#endif
+    if (asked <= 1 || n_items <= 1) return 1;
+    if (atomic_load(&serial_left) > 0) {
+        atomic_fetch_sub(&serial_left, 1);
+        return 1;
+    }
+    return asked;
+}
+
+/* after a call on several threads (times: its start, when the caller found no item left, its end): a long wait
+ * starts or lengthens a run of one-thread calls, a short one ends it */
+static void after_parallel(int64_t start, int64_t caller_done, int64_t end) {
+    if (end - caller_done > STALL_NS && end - caller_done > caller_done - start) {
+        long long run = atomic_load(&serial_run);
+        run = run < SERIAL_RUN_MIN ? SERIAL_RUN_MIN : (2 * run > SERIAL_RUN_MAX ? SERIAL_RUN_MAX : 2 * run);
+        atomic_store(&serial_run, run);
+        atomic_store(&serial_left, run);
+    } else {
+        atomic_store(&serial_run, 0);
+    }
 }
 
 int moba_decode_step(const float *q, const float *gate_q, int64_t rows, int64_t d, int64_t width, int64_t group,
@@ -238,42 +294,49 @@ int moba_decode_step(const float *q, const float *gate_q, int64_t rows, int64_t 
     int64_t per_run = group * n_seg; /* the most distinct segments a run's rows read */
     float *scores = malloc(sizeof(float) * rows * nnz);
     float *partial = malloc(sizeof(float) * rows * n_seg * d);
-    float *inv_sum = malloc(sizeof(float) * rows);
+    float *seg_max = malloc(sizeof(float) * rows * n_seg);
+    float *seg_sum = malloc(sizeof(float) * rows * n_seg);
     segment *segs = malloc(sizeof(segment) * rows * n_seg);
     shared *reads = malloc(sizeof(shared) * runs * per_run);
-    int64_t *n_reads = malloc(sizeof(int64_t) * runs);
+    int64_t *items = malloc(sizeof(int64_t) * runs * per_run);
     int64_t *scratch = picks ? NULL : malloc(sizeof(int64_t) * (rows * n_pick + 1)); /* picks NULL: not asked for */
-    if (!scores || !partial || !inv_sum || !segs || !reads || !n_reads || (!picks && !scratch)) {
-        free(scores); free(partial); free(inv_sum); free(segs); free(reads); free(n_reads); free(scratch);
+    if (!scores || !partial || !seg_max || !seg_sum || !segs || !reads || !items || (!picks && !scratch)) {
+        free(scores); free(partial); free(seg_max); free(seg_sum); free(segs); free(reads); free(items);
+        free(scratch);
         return 1;
     }
     if (!picks) picks = scratch;
-#pragma omp parallel num_threads(threads)
-    {
-        /* each row's picks and segments; then its run's distinct segments */
-#pragma omp for schedule(static)
-        for (int64_t u = 0; u < runs; u++) {
-            shared *rd = reads + u * per_run;
-            int64_t count = 0;
-            for (int64_t r = u * group; r < (u + 1) * group; r++) {
-                gate_row(gate_q + r * width, pooled + u * pooled_run_stride, width, pooled_block_stride, lo, hi,
-                         n_pick, n, bs, picks + r * n_pick, segs + r * n_seg);
-                for (int64_t m = 0; m < n_seg; m++) {
-                    segment sg = segs[r * n_seg + m];
-                    int64_t i = 0;
-                    while (i < count && rd[i].pos != sg.pos) i++;
-                    if (i == count) rd[count++] = (shared){sg.pos, sg.len, 0, {0}};
-                    rd[i].user[rd[i].users++] = r * n_seg + m;
-                }
+    /* each row's picks and segments, then its run's distinct segments (the work items): on the calling thread, so
+     * that the one parallel loop below is the step's only wait on other threads (a thread the OS has descheduled
+     * stalls every wait by its time slice) */
+    int64_t n_items = 0;
+    for (int64_t u = 0; u < runs; u++) {
+        shared *rd = reads + u * per_run;
+        int64_t count = 0;
+        for (int64_t r = u * group; r < (u + 1) * group; r++) {
+            gate_row(gate_q + r * width, pooled + u * pooled_run_stride, width, pooled_block_stride, lo, hi, n_pick,
+                     n, bs, picks + r * n_pick, segs + r * n_seg);
+            for (int64_t m = 0; m < n_seg; m++) {
+                segment sg = segs[r * n_seg + m];
+                int64_t i = 0;
+                while (i < count && rd[i].pos != sg.pos) i++;
+                if (i == count) rd[count++] = (shared){sg.pos, sg.len, 0, {0}};
+                rd[i].user[rd[i].users++] = r * n_seg + m;
             }
-            n_reads[u] = count;
         }
-        /* scores: each distinct segment's keys are read once, for every row that reads them */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < runs * per_run; item++) {
-            const shared *rd = item_read(reads, n_reads, item, per_run);
-            if (!rd) continue;
-            const float *kr = k + ((item / per_run) * step + start + rd->pos) * d;
+        for (int64_t i = 0; i < count; i++) items[n_items++] = u * per_run + i;
+    }
+    /* each distinct segment's keys and values read once, for every row that reads it: its scores and its share of
+     * each of those rows' softmax */
+    const int use = threads_for(threads, n_items);
+    int64_t start_ns = use > 1 ? now_ns() : 0, caller_done = 0;
+#pragma omp parallel num_threads(use)
+    {
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t it = 0; it < n_items; it++) {
+            const shared *rd = reads + items[it];
+            const int64_t offset = ((items[it] / per_run) * step + start + rd->pos) * d;
+            const float *kr = k + offset, *vr = v + offset;
             int64_t j = 0;
 #if defined(__AVX2__) && defined(__FMA__)
             for (; j + 8 <= rd->len; j += 8)
@@ -289,36 +352,32 @@ int moba_decode_step(const float *q, const float *gate_q, int64_t rows, int64_t 
                     int64_t r = rd->user[i] / n_seg;
                     scores[r * nnz + segs[rd->user[i]].slot + j] = dot(q + r * d, kr + j * d, d) * scale;
                 }
-        }
-        /* softmax of each row: max (a NaN wins), exp, sum */
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            float *sr = scores + r * nnz;
-            float mx = max_of(sr, nnz);
-            inv_sum[r] = 1.0f / exp_sum(sr, nnz, mx);
-        }
-        /* weighted sums of each distinct segment's values, one partial sum per user */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < runs * per_run; item++) {
-            const shared *rd = item_read(reads, n_reads, item, per_run);
-            if (!rd) continue;
-            const float *vr = v + ((item / per_run) * step + start + rd->pos) * d;
             for (int64_t i = 0; i < rd->users; i++) {
-                int64_t r = rd->user[i] / n_seg;
-                const float *pr = scores + r * nnz + segs[rd->user[i]].slot;
-                wsum(pr, inv_sum[r], vr, d, rd->len, partial + rd->user[i] * d);
+                int64_t user = rd->user[i];
+                segment_share(scores + (user / n_seg) * nnz + segs[user].slot, vr, d, rd->len, seg_max + user,
+                              seg_sum + user, partial + user * d);
             }
         }
-        /* each row's output: its segments' partial sums, in its segment order */
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            float *o = out + r * d;
-            memcpy(o, partial + r * n_seg * d, sizeof(float) * d);
-            for (int64_t m = 1; m < n_seg; m++)
-                for (int64_t c = 0; c < d; c++) o[c] += partial[(r * n_seg + m) * d + c];
-        }
+#ifdef _OPENMP
+        if (use > 1 && omp_get_thread_num() == 0) caller_done = now_ns(); /* no item left: from here it waits */
+#endif
     }
-    free(scores); free(partial); free(inv_sum); free(segs); free(reads); free(n_reads); free(scratch);
+    if (use > 1) after_parallel(start_ns, caller_done, now_ns());
+    /* each row's output: its segments' shares rescaled to the row's max (a NaN wins; all -inf gives NaN, as the
+     * softmax's exp(-inf - -inf)), summed in its segment order, divided by the softmax's sum */
+    for (int64_t r = 0; r < rows; r++) {
+        const float row_max = max_of(seg_max + r * n_seg, n_seg);
+        float total = 0.0f, *o = out + r * d;
+        memset(o, 0, sizeof(float) * d);
+        for (int64_t m = r * n_seg; m < (r + 1) * n_seg; m++) {
+            const float w = expf(seg_max[m] - row_max);
+            total += seg_sum[m] * w;
+            for (int64_t c = 0; c < d; c++) o[c] += partial[m * d + c] * w;
+        }
+        const float inv = 1.0f / total;
+        for (int64_t c = 0; c < d; c++) o[c] *= inv;
+    }
+    free(scores); free(partial); free(seg_max); free(seg_sum); free(segs); free(reads); free(items); free(scratch);
     return 0;
 }
 
