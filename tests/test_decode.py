@@ -296,6 +296,30 @@ def test_native_step_equals_the_torch_ops_and_the_reference(case, native_build, 
     torch.testing.assert_close(out, want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("case", NATIVE_CASES[:2], ids=_native_id)
+def test_native_step_gives_the_same_bits_on_any_number_of_threads(case, monkeypatch):
+    """Each work item is computed alike on any thread and the rows' shares are combined in one order: one thread and
+    several give the same bits (so a step may run on one thread when the machine is busy and change no result)."""
+    _needs_native()
+    b, hq, hkv, nk, start, d, bs, k, pool, sink, local = case
+    gate = dict(block_size=bs, top_k=k, pooling=pool, sink_blocks=sink, local_blocks=local)
+    gen = torch.Generator().manual_seed(nk)
+    q = torch.randn(b, hq, 1, d, generator=gen)
+    keys, values = (torch.randn(b, hkv, nk, d, generator=gen) for _ in range(2))
+    starts = None if start == 0 else torch.full((b,), start)
+    block_keys = block_keys_from_cache(keys, bs, pool, starts)
+    force_path(monkeypatch, "one_query")
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 4, 1):
+            torch.set_num_threads(threads)
+            outs.append(moba_decode(q, keys, values, block_keys, starts=starts, **gate))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("which", ["q", "k", "v"])
 def test_native_step_carries_nan_and_inf_as_the_torch_ops(which, value, native_build, monkeypatch):
@@ -591,6 +615,8 @@ def test_block_state_equals_recomputation_after_every_append(pooling, read_every
         state.append(keys[:, :, n : n + chunk], real[:, n : n + chunk])
         n += chunk
         assert state.n == n and state.contiguous_rows()
+        starts = state.starts.tolist()
+        assert state.common_start == (starts[0] if len(set(starts)) == 1 else None)
         if i % read_every:
             continue
         assert state.counts.tolist() == real[:, :n].sum(-1).tolist()
@@ -622,6 +648,23 @@ def test_native_block_update_equals_the_torch_ops(pooling, poison, native_build,
     half = len(states) // 2
     for got, want in zip(states[:half], states[half:], strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_block_state_keeps_the_rows_common_start_on_the_host():
+    """The start every row shares (what a decode step reads instead of reducing `starts`), None once rows start
+    apart."""
+    keys = torch.randn(2, 1, 9, 2)
+    state = moba_cache.BlockState(keys, 4, "mean")
+    state.append(keys[:, :, :3], torch.tensor([[False, False, False], [False, False, False]]))
+    assert state.common_start == 3 and state.starts.tolist() == [3, 3]
+    state.append(keys[:, :, 3:5], torch.tensor([[False, True], [True, True]]))
+    assert state.common_start is None and state.starts.tolist() == [4, 3]
+    state.append(keys[:, :, 5:6], None)
+    assert state.common_start is None
+    state = moba_cache.BlockState(keys, 4, "mean")
+    state.append(keys[:, :, :1], torch.tensor([[False], [False]]))
+    state.append(keys[:, :, 1:2], None)  # every row's first real token, in an all-real step
+    assert state.common_start == 1 and state.starts.tolist() == [1, 1]
 
 
 def test_block_state_notices_a_gap():

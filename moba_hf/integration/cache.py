@@ -66,8 +66,9 @@ def _layer_keys(cache: Any, layer_idx: int | None) -> torch.Tensor | None:
     return keys if isinstance(keys, torch.Tensor) else None
 
 
-# The hooks run twice per layer and token, so they do no more than set the layer's `call`. Under torch.compile
-# they run eagerly: whether the block state is in step is a fact of each call (tensor identity), never of a trace.
+# The hook runs per layer and token, so it does no more than set the layer's `call` (which the attention function
+# takes: `take_call`). Under torch.compile it runs eagerly: whether the block state is in step is a fact of each call
+# (tensor identity), never of a trace.
 @torch.compiler.disable
 def _pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     layer_state = state.of_layer(module)
@@ -87,23 +88,13 @@ def _pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     layer_state.call = (weakref.ref(cache), in_step)
 
 
-@torch.compiler.disable
-def _post_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    layer_state = state.layer_if_any(module)
-    if layer_state is not None:
-        layer_state.call = None
-
-
 def install_hooks(module: torch.nn.Module) -> None:
-    """Make `module` stash its cache for `current_call` (idempotent; takes effect from the next forward). A copy
+    """Make `module` stash its cache for `take_call` (idempotent; takes effect from the next forward). A copy
     of a module (deepcopy, pickle) brings the hooks along without an entry of its own: they are not added twice."""
     layer_state = state.of_layer(module)
     if layer_state.hooks is not None or any(hook is _pre_hook for hook in module._forward_pre_hooks.values()):
         return
-    layer_state.hooks = (
-        module.register_forward_pre_hook(_pre_hook, with_kwargs=True),
-        module.register_forward_hook(_post_hook, with_kwargs=True, always_call=True),
-    )
+    layer_state.hooks = (module.register_forward_pre_hook(_pre_hook, with_kwargs=True),)
     layer_state.call = None
 
 
@@ -124,13 +115,16 @@ def remove_hooks(model: torch.nn.Module) -> None:
             layer_state.hooks = layer_state.call = None
 
 
-def current_call(module: torch.nn.Module) -> tuple[Any, bool] | None:
+def take_call(module: torch.nn.Module) -> tuple[Any, bool] | None:
     """(cache, whether the layer's block state was built from the keys tensor the layer held before this call) for
-    the forward in progress, or None when the call has no cache (or the hooks were installed during it)."""
+    the forward in progress, or None when the call has no cache (or the hook was installed during it). Taken once:
+    the attention function takes it at every call, so a later call that bypasses the hook (`module.forward(...)`)
+    finds none."""
     layer_state = state.layer_if_any(module)
     call = None if layer_state is None else layer_state.call
     if call is None:
         return None
+    layer_state.call = None
     cache = call[0]()
     return None if cache is None else (cache, call[1])
 
@@ -167,7 +161,8 @@ class BlockState:
 
     stats, pooled: [B, Hkv, capacity, width]; pooled is what `block_keys` returns, re-derived only for the
     blocks an append touched (a decode step: one block per row); counts[b]: real tokens of row b so far;
-    starts[b]: cache position of row b's first real token (= n while it has none); n: cache positions covered.
+    starts[b]: cache position of row b's first real token (= n while it has none); n: cache positions covered;
+    common_start: the position every row starts at, None where rows start apart (starts, kept on the host).
     """
 
     def __init__(self, keys: torch.Tensor, block_size: int, pooling: str, capacity: int = 0) -> None:
@@ -189,6 +184,7 @@ class BlockState:
         self.n = 0
         # host copies read by every decode step (no tensor op, no device sync)
         self.min_count = self.max_count = 0
+        self.common_start: int | None = 0
         self.contiguous = True  # every row's real tokens run without a gap to the end of the cache
         self.keys_ref: weakref.ref | None = None
         if capacity:
@@ -254,6 +250,8 @@ class BlockState:
                     self._accumulate(slice(row, row + 1), x, counts[row])
         if real is None:
             self.starts = torch.where(self.counts == 0, self.n, self.starts)
+            if self.max_count == 0:  # every row starts now (rows that start apart stay apart)
+                self.common_start = self.n
             self.counts = self.counts + t
             self.min_count, self.max_count = self.min_count + t, self.max_count + t
         else:  # padded rows (a prefill): the host copies are read back once
@@ -264,6 +262,8 @@ class BlockState:
         self.n += t
         if real is not None:
             self.contiguous = bool((self.starts + self.counts == self.n).all())
+            low, high = self.starts.aminmax()
+            self.common_start = int(low) if int(low) == int(high) else None
         # (all-real tokens keep rows as they were: a contiguous row stays contiguous, a gap stays)
         last_block = -(-self.max_count // self.block_size)
         lo, hi = self._stale
@@ -282,6 +282,7 @@ class BlockState:
             self.pool.merge_(self.stats[:, :, block], self.pool.of_keys(keys[:, :, 0].detach().to(self.dtype)))
         if count == 0:
             self.starts = torch.full_like(self.starts, self.n)
+            self.common_start = self.n
         self._counts_behind += 1
         self.min_count = self.max_count = count + 1
         self.n += 1
@@ -375,6 +376,7 @@ def block_state(
 # --- the cached step ---------------------------------------------------------------------------------------------
 def cached_step(
     module: torch.nn.Module,
+    call: tuple[Any, bool] | None,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -387,9 +389,8 @@ def cached_step(
 
     Only with decode="moba", Nq <= DECODE_MAX_QUERIES new queries, every row's real tokens contiguous and
     all new tokens real (what `generate` does, left padding included). Otherwise the block state, if the
-    layer has one, is just kept in step.
+    layer has one, is just kept in step. call: `take_call(module)`.
     """
-    call = current_call(module)
     if call is None:
         install_hooks(module)  # nothing to do once installed; hooks take effect from the next forward
         return None
@@ -416,7 +417,8 @@ def cached_step(
         # (on CPU in float32 / float64 the step reads the written slots' prefix views in place, as any cache's)
         stored = cache.layers[layer]
         return _static_decode(query, stored.keys, stored.values, nk, running, block_keys, plan, scale)
-    out = core.decode(query, (key, value), block_keys, plan, scale, starts=running.starts, return_selection=tracking)
+    starts = None if running.common_start == 0 else running.starts  # None: every row from 0 (no reductions)
+    out = core.decode(query, (key, value), block_keys, plan, scale, starts=starts, return_selection=tracking)
     if not tracking:
         return out
     out, selected = out
