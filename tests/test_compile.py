@@ -2,7 +2,7 @@
 model's results, for the torch backend, a dense tail, padding and decode = "moba" / "full".
 
 `model.compile()` compiles the module in place, so `generate` runs the compiled forward; the attention call and
-the cache hooks run eagerly inside it (graph breaks, see the README's "torch.compile").
+the cache hook run eagerly inside it (graph breaks, see the README's "torch.compile").
 """
 
 import copy

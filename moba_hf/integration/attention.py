@@ -21,7 +21,7 @@ from ..config import MobaConfig, MobaSettings
 from ..kernels import resolve_backend
 from ..kernels.checks import needs_grad
 from . import rope_remap, sparsity, state
-from .cache import cached_step
+from .cache import cached_step, take_call
 from .layout import is_static_layout, sequence_spans, static_keys
 from .support import SUPPORTED_MODEL_TYPES, check_supported  # noqa: F401 - re-exported
 
@@ -115,6 +115,7 @@ def moba_attention_forward(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
+    call = take_call(module)  # whatever this call does with it: a later call may bypass the hook that set it
     plan = resolved_config(module).plan
     if dropout:
         raise ValueError(f"moba attention does not implement attention dropout; got dropout={dropout} (use 0.0)")
@@ -142,7 +143,7 @@ def moba_attention_forward(
         query, dca = rope_remap.remap_fresh(module, plan.dca, query, key, attention_mask, kwargs.get("position_ids"))
 
     if not dense and dca is None:  # with a KV cache: keep the block state in step; sparse decode when it applies
-        out = cached_step(module, query, key, value, attention_mask, plan, scaling)
+        out = cached_step(module, call, query, key, value, attention_mask, plan, scaling)
         if out is not None:
             return out.transpose(1, 2).contiguous(), None
 
