@@ -21,7 +21,9 @@ per layer; SDPA = `F.scaled_dot_product_attention` over the whole cache (the sam
 Checked against `moba_attention_reference` (and SDPA against dense attention) before timing. Timed at each
 `--threads` setting ("default": torch's own choice on this machine; a number: torch.set_num_threads), idle and busy.
 Each op row prints the read limit beside its ratios: context / the keys a step reads at most ((top_k + sink_blocks +
-local_blocks) blocks), the speed-up of a step whose cost is only its reads (e.g. 16K / 1,536 keys = 10.7x).
+local_blocks) blocks), the speed-up of a step whose cost is only its reads (e.g. 16K / 1,536 keys = 10.7x); and
+the keys the step reads per KV head (`kv_keys_read`: the blocks any of its query heads selected, each read once) with
+context / those keys: with grouped-query attention a KV head reads the blocks of all its query heads' picks.
 
 Model: SmolLM2-135M (30 layers), greedy decode steps after a context of N tokens, one token at a time, per cache
 (`--caches`): "dynamic" (transformers' DynamicCache, which copies the whole cache at every step: that cost is in
@@ -33,7 +35,10 @@ at every thread count of --model-threads (0: torch's default). Checked first: on
 the prefill path's on the same cache, and the greedy tokens of every cache kind are equal (MoBA's, and SDPA's).
 Each row carries the read limit: cache keys / the most keys a sparse step reads (the op's ceiling on the ratio), and
 the attention-free limit: SDPA's median step over the median step of the same model whose attention computes nothing
-(timed in the same rounds), the ratio a free attention would reach: the rest of the model bounds every ratio.
+(timed in the same rounds), the ratio a free attention would reach: the rest of the model bounds every ratio; and
+the read-bound limit: SDPA's median over the free step plus SDPA's attention time scaled to the keys a sparse step
+reads per KV head (measured on one step of the same cache), the ratio of a sparse step that reads its keys at SDPA's
+speed per key and costs nothing else.
 """
 
 from __future__ import annotations
@@ -118,6 +123,23 @@ def read_limit(moba: MobaConfig, context: int) -> float:
     return round(context / min(context, blocks * moba.block_size), 2)
 
 
+def kv_keys_read(selected: torch.Tensor, context: int, block_size: int, kv_heads: int) -> float:
+    """The keys a step reads per KV head (mean over rows and heads): the blocks any of the head's query heads
+    selected (selected: bool [B, Hq, 1, n_blocks]), each read once for all of them, the last one partly filled. A
+    KV head serving several query heads that pick different blocks reads up to that many times the keys of one."""
+    b, hq, _, nb = selected.shape
+    lengths = torch.full((nb,), float(block_size))
+    lengths[-1] = context - (nb - 1) * block_size
+    read = selected.reshape(b, kv_heads, hq // kv_heads, nb).any(2).to(lengths.dtype) @ lengths
+    return float(read.mean())
+
+
+def read_bound_limit(sdpa_ms: float, free_ms: float, keys_read: float, context: int) -> float:
+    """SDPA's step over a step whose attention reads only `keys_read` of the `context` keys per KV head at SDPA's
+    speed per key: the ratio a sparse step bound by its reads reaches (the rest of the model as the free step's)."""
+    return round(sdpa_ms / (free_ms + (sdpa_ms - free_ms) * keys_read / context), 3)
+
+
 def thread_settings(names: list[str]) -> list[tuple[str, int]]:
     """--threads values as (label, thread count): "default" is torch's choice at start-up."""
     default = torch.get_num_threads()
@@ -147,6 +169,8 @@ class OpCase:
         state.append(self.k[:, :, :-1], None)
         self.state = state
         self.error = self.check(moba)
+        _, selected = decode_plan(self.q, self.k, self.v, self.state.block_keys(), self.plan, return_selection=True)
+        self.kv_keys_read = kv_keys_read(selected, context, moba.block_size, hkv)
 
     def check(self, moba: MobaConfig) -> float:
         self.state.append(self.new_key, None)  # the exact cache: pooled keys of all `context` keys
@@ -312,6 +336,29 @@ def verify_model_step(model, context: int) -> float:
     return diff
 
 
+def model_kv_keys_read(model, context: int) -> float:
+    """The keys a sparse step of `model` reads per KV head over a fresh synthetic cache of `context` tokens (mean over
+    its sparse layers; `kv_keys_read`), from one step whose selections are asked for."""
+    from moba_hf import core
+
+    reads = []
+    real = core.decode
+
+    def decode(q, cache, block_keys, plan, scale, **kwargs):
+        out, selected = real(q, cache, block_keys, plan, scale, **{**kwargs, "return_selection": True})
+        reads.append(kv_keys_read(selected, context + 1, plan.block_size, block_keys.shape[1]))
+        return (out, selected) if kwargs.get("return_selection") else out
+
+    core.decode = decode
+    try:
+        ModelDecode(model, model, "static", context, 1).step()
+    finally:
+        core.decode = real
+    if not reads:
+        raise AssertionError(f"no sparse decode step ran at context {context}")
+    return statistics.mean(reads)
+
+
 def model_rows(args, settings: dict[str, MobaConfig]) -> list[dict]:
     """SmolLM2 decode steps, MoBA vs SDPA in the same cache setting, for every setting, context, cache kind, thread
     count and load; the tokens of every cache kind checked equal first."""
@@ -329,6 +376,7 @@ def model_rows(args, settings: dict[str, MobaConfig]) -> list[dict]:
         moba_forwards, sdpa_forwards = model_forwards(model, args.caches), model_forwards(sdpa, args.caches)
         for context in args.model_contexts:
             diff = verify_model_step(model, context)
+            keys_read = model_kv_keys_read(model, context)
             for label, forwards, m in (("moba", moba_forwards, model), ("sdpa", sdpa_forwards, sdpa)):
                 tokens = check_model_tokens(forwards, m, context, args.new_tokens)
                 print(f"check model {name} {context} {label}: {'/'.join(forwards)} caches give tokens {tokens}")
@@ -343,12 +391,14 @@ def model_rows(args, settings: dict[str, MobaConfig]) -> list[dict]:
                                 args.new_tokens, args.rounds, free=(free_forwards[kind], free),
                             )  # fmt: skip
                             free_ms = statistics.median(t_free) * 1e3
+                            sdpa_ms = statistics.median(t_sdpa) * 1e3
                             rows.append(
                                 {"bench": f"smollm2-step-{kind}", **setting_fields(name, moba), "context": context,
                                  "load": load_name, "threads": torch.get_num_threads(),
                                  **timing_fields(t_moba, t_sdpa), "read_limit": read_limit(moba, context),
-                                 "free_median_ms": round(free_ms, 4),
-                                 "free_limit": round(statistics.median(t_sdpa) * 1e3 / free_ms, 3),
+                                 "free_median_ms": round(free_ms, 4), "free_limit": round(sdpa_ms / free_ms, 3),
+                                 "kv_keys_read": round(keys_read, 1),
+                                 "read_bound_limit": read_bound_limit(sdpa_ms, free_ms, keys_read, context + 1),
                                  "check": f"{diff:.1e}"}
                             )  # fmt: skip
                             print(rows[-1], flush=True)
@@ -432,7 +482,9 @@ def main(argv: list[str] | None = None) -> None:
                     rows.append(
                         {"bench": "op", **setting_fields(name, settings[name]), "context": context,
                          "threads": label, "load": load_name, **timing_fields(t_moba, t_sdpa),
-                         "read_limit": read_limit(settings[name], context), "check": f"{case.error:.1e}"}
+                         "read_limit": read_limit(settings[name], context),
+                         "kv_keys_read": round(case.kv_keys_read, 1),
+                         "kv_read_limit": round(context / case.kv_keys_read, 2), "check": f"{case.error:.1e}"}
                     )  # fmt: skip
                     print(rows[-1], flush=True)
     torch.set_num_threads(threads[0][1])
@@ -445,12 +497,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{common}")
     print(
         "| bench | setting | context | threads | load | MoBA min / median ms | SDPA min / median ms | best | median "
-        "| limit | median / limit |"
+        "| limit | median / limit | limit of the keys read |"
     )
     for row in rows:
         # op rows: the read limit; model rows: the attention-free limit (SDPA's median over a step without attention)
         limit = row.get("free_limit", row.get("read_limit"))
         beside = f"{limit:.1f}x | {row['speedup_median'] / limit:.0%}" if limit else "- | -"
+        # what the step's reads allow: op rows context / keys read per KV head, model rows `read_bound_limit`
+        beside += f" | {row.get('read_bound_limit', row.get('kv_read_limit')):.2f}x"
         print(
             f"| {row['bench']} | {row['setting']} | {row['context']} | {row.get('threads', '-')} | {row['load']} "
             f"| {row['moba_min_ms']:.2f} / {row['moba_median_ms']:.2f} | {row['sdpa_min_ms']:.2f} / "

@@ -86,6 +86,11 @@ def test_bench_decode_op_checks_then_times_idle_and_busy(tmp_path):
     # read limit: 300 keys / (2 blocks of 64) for the default setting; 128 keys / all of them (5 + 1 + 1 blocks of 64)
     limits = {(r["setting"], r["context"]): float(r["read_limit"]) for r in rows}
     assert limits[("default", "300")] == round(300 / 128, 2) and limits[("training-free", "128")] == 1.0
+    # the keys a step reads per KV head: at least one query head's (its own block of 44, one of 64), at most all
+    for r in rows:
+        read, context = float(r["kv_keys_read"]), int(r["context"])
+        assert (108 if (r["setting"], context) == ("default", 300) else 1) <= read <= context
+        assert float(r["kv_read_limit"]) == pytest.approx(context / read, abs=0.01)
     bad = subprocess.run([*cmd[:2], "--threads", "0", "--model-contexts"], capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode != 0 and "--threads takes 'default' or thread counts >= 1, got '0'" in bad.stderr
 
@@ -133,6 +138,11 @@ def test_bench_decode_model_rows_check_tokens_then_time_each_cache(tmp_path):
     for r in rows:
         assert float(r["free_median_ms"]) > 0
         assert float(r["free_limit"]) == pytest.approx(float(r["sdpa_median_ms"]) / float(r["free_median_ms"]), 1e-2)
+        # the read-bound limit: the free step plus SDPA's attention time scaled to the keys read per KV head
+        sdpa, free, read = (float(r[k]) for k in ("sdpa_median_ms", "free_median_ms", "kv_keys_read"))
+        assert 0 < read <= 601
+        want = sdpa / (free + (sdpa - free) * read / 601)
+        assert float(r["read_bound_limit"]) == pytest.approx(want, 1e-2)
 
 
 @pytest.mark.slow
