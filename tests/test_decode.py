@@ -268,17 +268,23 @@ def native_build(request, monkeypatch, tmp_path):
     return request.param
 
 
-@pytest.mark.parametrize("case", NATIVE_CASES, ids=_native_id)
-def test_native_step_equals_the_torch_ops_and_the_reference(case, native_build, monkeypatch):
-    """The native step picks the torch ops' blocks exactly and attends as they and the reference do, up to rounding
-    (one dot product per key, a softmax over the read keys, a sum of value rows)."""
+def _native_inputs(case):
+    """(gate keywords, q, keys, values, starts, block keys) of a NATIVE_CASES entry."""
     b, hq, hkv, nk, start, d, bs, k, pool, sink, local = case
     gate = dict(block_size=bs, top_k=k, pooling=pool, sink_blocks=sink, local_blocks=local)
     gen = torch.Generator().manual_seed(nk)
     q = torch.randn(b, hq, 1, d, generator=gen)
     keys, values = (torch.randn(b, hkv, nk, d, generator=gen) for _ in range(2))
     starts = None if start == 0 else torch.full((b,), start)
-    block_keys = block_keys_from_cache(keys, bs, pool, starts)
+    return gate, q, keys, values, starts, block_keys_from_cache(keys, bs, pool, starts)
+
+
+@pytest.mark.parametrize("case", NATIVE_CASES, ids=_native_id)
+def test_native_step_equals_the_torch_ops_and_the_reference(case, native_build, monkeypatch):
+    """The native step picks the torch ops' blocks exactly and attends as they and the reference do, up to rounding
+    (one dot product per key, a softmax over the read keys, a sum of value rows)."""
+    gate, q, keys, values, starts, block_keys = _native_inputs(case)
+    nk, start, d = case[3], case[4], case[5]
     taken = force_path(monkeypatch, "one_query")
     from moba_hf.kernels import decode as decode_kernels
 
@@ -301,13 +307,7 @@ def test_native_step_gives_the_same_bits_on_any_number_of_threads(case, monkeypa
     """Each work item is computed alike on any thread and the rows' shares are combined in one order: one thread and
     several give the same bits (so a step may run on one thread when the machine is busy and change no result)."""
     _needs_native()
-    b, hq, hkv, nk, start, d, bs, k, pool, sink, local = case
-    gate = dict(block_size=bs, top_k=k, pooling=pool, sink_blocks=sink, local_blocks=local)
-    gen = torch.Generator().manual_seed(nk)
-    q = torch.randn(b, hq, 1, d, generator=gen)
-    keys, values = (torch.randn(b, hkv, nk, d, generator=gen) for _ in range(2))
-    starts = None if start == 0 else torch.full((b,), start)
-    block_keys = block_keys_from_cache(keys, bs, pool, starts)
+    gate, q, keys, values, starts, block_keys = _native_inputs(case)
     force_path(monkeypatch, "one_query")
     before = torch.get_num_threads()
     outs = []
