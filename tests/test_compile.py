@@ -1,8 +1,9 @@
 """torch.compile with MoBA (CPU, inductor): a compiled model prefills several lengths and decodes with the eager
 model's results, for the torch backend, a dense tail, padding and decode = "moba" / "full".
 
-`model.compile()` compiles the module in place, so `generate` runs the compiled forward; the attention call and
-the cache hook run eagerly inside it (graph breaks, see the README's "torch.compile").
+`model.compile()` compiles the module in place, so `generate` runs the compiled forward. Over a growing cache the
+attention call and the cache hook run eagerly inside it (graph breaks); a step over a StaticCache is one graph that
+calls the attention as a custom op (see the README's "torch.compile").
 """
 
 import copy
@@ -10,10 +11,10 @@ import copy
 import pytest
 import torch
 from kernel_cases import rounding_tol
-from test_decode import Spy
+from test_decode import CACHE, Spy
 from tiny_models import TINY, tiny_model
 
-from moba_hf import MobaConfig
+from moba_hf import DcaConfig, MobaConfig
 
 pytestmark = pytest.mark.slow
 
@@ -48,6 +49,12 @@ def _graphs() -> int:
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]
+
+
+def _graph_breaks() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -124,20 +131,60 @@ def _static_decode(step, model, ids, mask, steps: int, warm: int):
     return torch.cat(tokens, dim=1), torch.stack(logits, dim=1)
 
 
-@pytest.mark.parametrize("name", ["moba", "decode_full"])
+# DCA moves each step's fresh keys in the cache: over a StaticCache, inside the op (c = 16, the model's window)
+STATIC_CASES = {**CASES, "dca": MobaConfig(block_size=4, top_k=2, dca=DcaConfig(chunk_size=12))}
+
+
+@pytest.mark.parametrize("name", ["moba", "decode_full", "dca"])
 def test_compiled_static_cache_decode_compiles_once_and_equals_eager(name, one_thread, monkeypatch):
     """torch.compile of the decode step over a StaticCache (a left-padded batch): every input keeps its shape from
     step to step (the cache's length is a tensor, the mask covers every slot), so after the first step nothing
-    compiles again, across block boundaries; the tokens are eager's and the logits within float32 rounding."""
+    compiles again, across block boundaries; the step is one graph (no break: the attention is a custom op); the
+    tokens are eager's and the logits within float32 rounding."""
     torch._dynamo.reset()
-    model = tiny_model("llama", CASES[name], pad_token_id=0)
+    extra = {"max_position_embeddings": 16} if name == "dca" else {}
+    model = tiny_model("llama", STATIC_CASES[name], pad_token_id=0, **extra)
     ids, mask = _left_padded((13, 8))
     want, want_logits = _static_decode(model, model, ids, mask, steps=14, warm=14)
     calls = Spy(monkeypatch)
-    graphs = _graphs()
+    graphs, breaks = _graphs(), _graph_breaks()
     got, logits = _static_decode(torch.compile(model), model, ids, mask, steps=14, warm=1)
-    assert _graphs() > graphs  # the steps ran compiled code
+    assert _graphs() == graphs + 1 and _graph_breaks() == breaks  # one graph for every step
     assert torch.equal(got, want)
     torch.testing.assert_close(logits, want_logits, rtol=0, atol=TOL)
     if name == "moba":  # every compiled step took the sparse step, once per layer (rows of two lengths together)
         assert calls.decodes == 14 * TINY["num_hidden_layers"] and calls.builds == TINY["num_hidden_layers"]
+
+
+def test_compiled_steps_over_a_cache_filled_elsewhere_keep_the_block_state_beside_its_keys(one_thread, monkeypatch):
+    """A loop's first compiled call may be a decode step over a StaticCache no eager moba call has seen (here filled
+    by the same weights under SDPA): no hook runs in the graph, and the attention op finds each layer's block state
+    by the layer's keys tensor: built at the first step, appended to at every later one, in one graph without a
+    break. The tokens are those of eager steps over a cache filled alike."""
+    from transformers import StaticCache
+
+    import moba_hf
+
+    torch._dynamo.reset()
+    sdpa = tiny_model("llama")
+    model = moba_hf.apply(copy.deepcopy(sdpa), CASES["moba"])
+    ids, steps = torch.randint(1, 97, (1, 19)), 9
+
+    def run(step):
+        cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + steps)
+        with torch.no_grad():
+            tokens = [sdpa(ids, **{CACHE: cache}, use_cache=True).logits[:, -1:].argmax(-1)]
+            for t in range(steps):
+                position = torch.tensor([[ids.shape[1] + t]])
+                out = step(input_ids=tokens[-1], position_ids=position, **{CACHE: cache}, use_cache=True)
+                tokens.append(out.logits[:, -1:].argmax(-1))
+        return torch.cat(tokens, dim=1)
+
+    want = run(model)
+    calls = Spy(monkeypatch)
+    breaks = _graph_breaks()
+    got = run(torch.compile(model))
+    assert torch.equal(got, want)
+    assert _graph_breaks() == breaks
+    layers = model.config.num_hidden_layers
+    assert (calls.decodes, calls.builds) == (steps * layers, layers)

@@ -11,7 +11,6 @@ from transformers import DynamicCache, StaticCache
 
 from moba_hf import DcaConfig, MobaConfig
 from moba_hf.integration import cache as moba_cache
-from moba_hf.integration import state as moba_state
 
 PROMPT, NEW, CAPACITY = 13, 14, 40  # caches of 14 .. 27 tokens in 40 slots: 4 .. 7 blocks of 4
 CASES = {
@@ -163,11 +162,12 @@ def test_block_state_is_allocated_once_for_the_whole_cache(one_thread):
     with torch.no_grad():
         model(ids, **{CACHE: cache}, use_cache=True)
         model(torch.randint(1, 97, (1, 1)), **{CACHE: cache}, use_cache=True)
-        states = dict(moba_state.of_cache(cache).blocks)
+        states = moba_cache.layer_states(cache)
         pointers = {layer: s.pooled.data_ptr() for layer, s in states.items()}
         for _ in range(12):  # across three block boundaries
             model(torch.randint(1, 97, (1, 1)), **{CACHE: cache}, use_cache=True)
-    blocks = moba_state.of_cache(cache).blocks
+    blocks = moba_cache.layer_states(cache)
+    assert len(states) == model.config.num_hidden_layers
     assert blocks == states  # the same objects: never rebuilt
     for layer, s in blocks.items():
         assert s.pooled.shape[2] == CAPACITY // 4 and s.pooled.data_ptr() == pointers[layer]

@@ -103,8 +103,6 @@ def _resolve(model_config: Any) -> ResolvedConfig:
     return ResolvedConfig(weakref.ref(model_config), _settings(model_config), plan)
 
 
-# under torch.compile each call runs eagerly (a graph break per layer): the per-sequence work is Python (see docs)
-@torch.compiler.disable
 def moba_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -115,11 +113,83 @@ def moba_attention_forward(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    call = take_call(module)  # whatever this call does with it: a later call may bypass the hook that set it
+    """transformers' attention function for "moba". The work is Python per sequence, so under torch.compile it is
+    opaque to the graph: over a pre-allocated cache (no autograd) one custom op, `moba_hf::attention`, that the graph
+    calls like any kernel; otherwise an eager call (a graph break per layer)."""
+    if torch.compiler.is_compiling() and is_static_layout(attention_mask) and not needs_grad(query, key, value):
+        return _compiled_call(module, query, key, value, attention_mask, scaling, dropout, kwargs), None
+    return _eager_forward(module, take_call(module), query, key, value, attention_mask, scaling, dropout, kwargs), None
+
+
+# what the attention call reads of transformers' keyword arguments (the rest are the model's, never attention's)
+_OPTIONS = ("position_ids", "sliding_window", "softcap", "s_aux")
+
+
+def _compiled_call(module, query, key, value, layout, scaling, dropout, kwargs) -> torch.Tensor:
+    position_ids, window, softcap, s_aux = (kwargs.get(name) for name in _OPTIONS)
+    return torch.ops.moba_hf.attention(
+        query, key, value, layout, position_ids, _module_token(module), scaling, dropout, window, softcap, s_aux
+    )
+
+
+@torch._dynamo.assume_constant_result
+def _module_token(module: torch.nn.Module) -> int:
+    """The attention module's number for the custom op (which takes no module), worked out when the step is traced
+    and kept in the graph as a constant."""
+    return state.token_of(module)
+
+
+# The step's graph holds the op; its body, eager code, keeps the block state and may read tensors on the host, so the
+# op is no part of a CUDA graph (inductor splits the graph around it; torch before 2.8 has no such tag).
+_NOT_IN_CUDA_GRAPHS = tuple(getattr(torch.Tag, name) for name in ("cudagraph_unsafe",) if hasattr(torch.Tag, name))
+
+
+@torch.library.custom_op("moba_hf::attention", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
+def _attention_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    token: int,
+    scaling: float | None,
+    dropout: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    s_aux: torch.Tensor | None,
+) -> torch.Tensor:
+    module = state.module_of(token)
+    values = (position_ids, sliding_window, softcap, s_aux)
+    kwargs = {name: v for name, v in zip(_OPTIONS, values, strict=True) if v is not None}
+    # no hook ran: the layer's block state is kept beside the pre-allocated keys `key` (`cache.cached_step`)
+    return _eager_forward(module, None, query, key, value, layout, scaling, dropout, kwargs)
+
+
+@_attention_op.register_fake
+def _(query, key, value, layout, position_ids, token, scaling, dropout, sliding_window, softcap, s_aux):
+    b, hq, nq, d = query.shape
+    return query.new_empty(b, nq, hq, d)
+
+
+@torch.compiler.disable
+def _eager_forward(
+    module: torch.nn.Module,
+    call: tuple[Any, bool] | None,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    dropout: float,
+    kwargs: dict[str, Any],
+) -> torch.Tensor:
+    """The attention of one call: [B, Nq, Hq, D]. call: `take_call(module)` (None: no hook ran)."""
     plan = resolved_config(module).plan
     if dropout:
         raise ValueError(f"moba attention does not implement attention dropout; got dropout={dropout} (use 0.0)")
+    stored = None
     if is_static_layout(attention_mask):  # a pre-allocated cache: attend its written keys only (views, no copy)
+        stored = (key, value)
         written, attention_mask = static_keys(attention_mask)
         key, value = key[:, :, :written], value[:, :, :written]
     window = kwargs.get("sliding_window")
@@ -143,9 +213,9 @@ def moba_attention_forward(
         query, dca = rope_remap.remap_fresh(module, plan.dca, query, key, attention_mask, kwargs.get("position_ids"))
 
     if not dense and dca is None:  # with a KV cache: keep the block state in step; sparse decode when it applies
-        out = cached_step(module, call, query, key, value, attention_mask, plan, scaling)
+        out = cached_step(module, call, stored, query, key, value, attention_mask, plan, scaling)
         if out is not None:
-            return out.transpose(1, 2).contiguous(), None
+            return out.transpose(1, 2).contiguous()
 
     spans = sequence_spans(attention_mask, query.shape[0], nq, nk)
     if spans is None:
@@ -161,7 +231,7 @@ def moba_attention_forward(
             k = key[row : row + 1, :, keys]
             v = value[row : row + 1, :, keys]
             out[row, :, queries - first_query] = _attend(q, k, v, plan, scaling, dense, layer, dca)[0]
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous()
 
 
 def _refuse_options(module: torch.nn.Module, key: torch.Tensor, kwargs: dict[str, Any]) -> None:

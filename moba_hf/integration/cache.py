@@ -5,7 +5,8 @@ that stashes (weak references to) the call's cache and the layer's keys as they 
 `apply` installs them (and `revert` removes them); a model loaded with plain `attn_implementation="moba"` gets
 them the first time `moba_attention_forward` sees each module. The block state is kept beside the cache
 (`state.CacheState`, keyed weakly by the cache object), one `BlockState` per layer, so it is freed with the cache
-and survives `generate`.
+and survives `generate`; a pre-allocated layer's is kept beside that layer's keys tensor instead (`state_owner`),
+which the attention call receives itself, so a compiled step, where no hook runs, finds it without the cache.
 
 A state is trusted only if the keys the layer held before this call are the very tensor the state last
 summed and the state covers exactly the tokens the cache held before this call (a `DynamicCache` append makes a
@@ -67,10 +68,17 @@ def _layer_keys(cache: Any, layer_idx: int | None) -> torch.Tensor | None:
 
 
 # The hook runs per layer and token, so it does no more than set the layer's `call` (which the attention function
-# takes: `take_call`). Under torch.compile it runs eagerly: whether the block state is in step is a fact of each call
-# (tensor identity), never of a trace.
-@torch.compiler.disable
+# takes: `take_call`). Under torch.compile it runs eagerly (whether the block state is in step is a fact of each call,
+# tensor identity, never of a trace), except over a pre-allocated cache: its layers' block states are kept beside
+# their keys tensors, which the compiled step hands the attention call itself, so that step needs no hook.
 def _pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    if torch.compiler.is_compiling() and getattr(_find_cache(args, kwargs), "is_compileable", False):
+        return
+    _stash_call(module, args, kwargs)
+
+
+@torch.compiler.disable
+def _stash_call(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     layer_state = state.of_layer(module)
     cache = _find_cache(args, kwargs)
     if cache is None:
@@ -332,7 +340,7 @@ class BlockState:
 
 
 def block_state(
-    cache: Any,
+    owner: Any,
     layer_idx: int,
     keys: torch.Tensor,
     in_step: bool,
@@ -341,12 +349,15 @@ def block_state(
     *,
     new: int,
     create: bool = True,
+    stored: torch.Tensor | None = None,
 ) -> BlockState | None:
     """This layer's state, synced to `keys` (the cache after this call's update): appended to if it was
     `in_step` (built from the layer's keys tensor) and covering exactly the nk - `new` tokens the cache held
     before the update, rebuilt from all keys otherwise.
+    owner: what the state is kept beside (`state_owner`); stored: a pre-allocated layer's keys [B, Hkv, capacity,
+    D] (`keys` are its written slots), None for a growing cache.
     padding_mask: [B, Nk] bool or None. With create=False a missing or stale state is not (re)built."""
-    kept = state.of_cache(cache) if create else state.cache_if_any(cache)
+    kept = state.of_cache(owner) if create else state.cache_if_any(owner)
     if kept is None:
         return None
     states = kept.blocks
@@ -362,21 +373,42 @@ def block_state(
     if not fresh:
         if running is not None:
             logger.debug("moba_hf: layer %s block state out of date; rebuilding from %d cached keys", layer_idx, nk)
-        stored = _layer_keys(cache, layer_idx)
-        capacity = stored.shape[2] if stored is not None and is_static(cache, layer_idx) else 0
+        capacity = 0 if stored is None else stored.shape[2]
         running = BlockState(keys, plan.block_size, plan.pooling, capacity)
         states[layer_idx] = running
     real = None if padding_mask is None else padding_mask[:, running.n : nk]
     running.append(keys[:, :, running.n :], real)
-    stored = _layer_keys(cache, layer_idx)  # the cache's own tensor (keys may be a view of a StaticCache's)
+    if stored is None:  # the cache's own tensor (what the hook compares at the next call)
+        stored = _layer_keys(owner, layer_idx)
     running.keys_ref = weakref.ref(keys if stored is None else stored)
     return running
+
+
+def state_owner(cache: Any, layer_idx: int | None) -> Any:
+    """What a layer's block state is kept beside: a pre-allocated layer's keys tensor (its slots live as long as
+    the layer, and a compiled step reaches them without the cache), otherwise the cache."""
+    if is_static(cache, layer_idx):
+        keys = _layer_keys(cache, layer_idx)
+        if keys is not None:
+            return keys
+    return cache
+
+
+def layer_states(cache: Any) -> dict[int, BlockState]:
+    """The block states kept for `cache`'s layers, by layer index."""
+    found = {}
+    for layer in range(len(getattr(cache, "layers", None) or [])):
+        kept = state.cache_if_any(state_owner(cache, layer))
+        if kept is not None and layer in kept.blocks:
+            found[layer] = kept.blocks[layer]
+    return found
 
 
 # --- the cached step ---------------------------------------------------------------------------------------------
 def cached_step(
     module: torch.nn.Module,
     call: tuple[Any, bool] | None,
+    stored: tuple[torch.Tensor, torch.Tensor] | None,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -389,34 +421,40 @@ def cached_step(
 
     Only with decode="moba", Nq <= DECODE_MAX_QUERIES new queries, every row's real tokens contiguous and
     all new tokens real (what `generate` does, left padding included). Otherwise the block state, if the
-    layer has one, is just kept in step. call: `take_call(module)`.
+    layer has one, is just kept in step.
+    call: `take_call(module)`; stored: a pre-allocated layer's keys and values [B, Hkv, capacity, D] (key and value
+    are their written slots), None for a growing cache. A compiled step over a pre-allocated cache has no call (no
+    hook runs there): its block state is kept beside the keys tensor, found without the cache.
     """
-    if call is None:
+    if call is None and stored is None:
         install_hooks(module)  # nothing to do once installed; hooks take effect from the next forward
         return None
     if padding_mask is not None and padding_mask.dtype != torch.bool:  # packed document ids: never with a cache
         padding_mask = None
-    cache, in_step = call
     layer = getattr(module, "layer_idx", None)
-    checked = state.of_cache(cache).checked_layers
-    if layer not in checked:  # once per cache and layer: the kind of a cache's layers is fixed
-        check_cache_supported(cache, layer)
-        checked.add(layer)
+    if call is not None:
+        cache = call[0]
+        checked = state.of_cache(cache).checked_layers
+        if layer not in checked:  # once per cache and layer: the kind of a cache's layers is fixed
+            check_cache_supported(cache, layer)
+            checked.add(layer)
+    # a pre-allocated layer's state is kept beside its keys tensor: in step with it whenever found there
+    owner, in_step = (stored[0], True) if stored is not None else call
     nq, nk = query.shape[2], key.shape[2]
     decode = plan.sparse_decode(layer) and nq < nk and nq <= DECODE_MAX_QUERIES and layer is not None
     decode = decode and not plan.tail_queries(nq)  # a dense tail runs on the prefill path
     running = None
     if layer is not None:
-        running = block_state(cache, layer, key, in_step, padding_mask, plan, new=nq, create=decode)
+        keys = None if stored is None else stored[0]
+        running = block_state(owner, layer, key, in_step, padding_mask, plan, new=nq, create=decode, stored=keys)
     if not decode or running is None or not running.contiguous_rows() or running.min_count < nq:
         return None
     tracking = sparsity.tracking()  # the selection is asked for only when it is recorded
     block_keys = running.block_keys()
-    static = is_static(cache, layer) and not tracking and not needs_grad(query, key, value)
+    static = stored is not None and not tracking and not needs_grad(query, key, value)
     if static and not decode_kernels.reads_in_place(query, key, value):
         # (on CPU in float32 / float64 the step reads the written slots' prefix views in place, as any cache's)
-        stored = cache.layers[layer]
-        return _static_decode(query, stored.keys, stored.values, nk, running, block_keys, plan, scale)
+        return _static_decode(query, stored[0], stored[1], nk, running, block_keys, plan, scale)
     starts = None if running.common_start == 0 else running.starts  # None: every row from 0 (no reductions)
     out = core.decode(query, (key, value), block_keys, plan, scale, starts=starts, return_selection=tracking)
     if not tracking:

@@ -9,6 +9,7 @@ resolved config, cached frequencies and pooled keys are worked out again on firs
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import weakref
 from typing import Any
@@ -22,6 +23,7 @@ class LayerState:
 
     resolved: Any = None  # `attention.ResolvedConfig` of the module's config, this module's own
     hooks: tuple[Any, ...] | None = None  # the forward hook handles `cache.install_hooks` registered
+    token: int | None = None  # the module's number in compiled graphs (`token_of`)
     inv_freq: torch.Tensor | None = None  # the model's RoPE inverse frequencies for DCA, on the last device
     _calls: threading.local = dataclasses.field(default_factory=threading.local, repr=False)
 
@@ -52,8 +54,8 @@ class ConfigState:
 
 
 class _ByIdentity:
-    """A table keyed weakly by object identity: model configs compare by value and cannot be hashed, so a
-    WeakKeyDictionary cannot hold them. An entry goes when its object goes."""
+    """A table keyed weakly by object identity: model configs compare by value and cannot be hashed, tensors compare
+    element by element, so a WeakKeyDictionary cannot hold them. An entry goes when its object goes."""
 
     def __init__(self) -> None:
         self._entries: dict[int, tuple[weakref.ref, Any]] = {}
@@ -77,8 +79,11 @@ class _ByIdentity:
 
 
 _layers: weakref.WeakKeyDictionary[torch.nn.Module, LayerState] = weakref.WeakKeyDictionary()
+_tokens = itertools.count()
+_modules_by_token: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
 _configs = _ByIdentity()
-_caches: weakref.WeakKeyDictionary[Any, CacheState] = weakref.WeakKeyDictionary()
+# keyed by a cache, or by a pre-allocated cache layer's keys tensor (tensors compare by value: kept by identity)
+_caches = _ByIdentity()
 # per model, what `revert` restores, recorded by its first `apply`: (config._attn_implementation, whether
 # config.__dict__ held a moba_config, a copy of that moba_config)
 _before_apply: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, bool, Any]] = weakref.WeakKeyDictionary()
@@ -95,15 +100,30 @@ def layer_if_any(module: torch.nn.Module) -> LayerState | None:
     return _layers.get(module)
 
 
+def token_of(module: torch.nn.Module) -> int:
+    """A number for `module`, its own for as long as it lives (never reused): what a compiled graph passes where it
+    cannot pass the module (`module_of` reads it back)."""
+    layer_state = of_layer(module)
+    if layer_state.token is None:
+        token = next(_tokens)
+        _modules_by_token[token] = module
+        layer_state.token = token
+    return layer_state.token
+
+
+def module_of(token: int) -> torch.nn.Module:
+    module = _modules_by_token.get(token)
+    if module is None:
+        raise RuntimeError(f"moba_hf: the attention module of compiled graph token {token} no longer exists")
+    return module
+
+
 def of_config(model_config: Any) -> ConfigState:
     return _configs.get(model_config) or _configs.setdefault(model_config, ConfigState())
 
 
 def of_cache(cache: Any) -> CacheState:
-    state = _caches.get(cache)
-    if state is None:
-        state = _caches[cache] = CacheState()
-    return state
+    return _caches.get(cache) or _caches.setdefault(cache, CacheState())
 
 
 def cache_if_any(cache: Any) -> CacheState | None:
