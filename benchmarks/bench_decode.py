@@ -244,8 +244,9 @@ class ModelDecode:
 
 def model_forwards(model, caches: list[str]) -> dict[str, object]:
     """The callable each cache kind steps: the model, or (compiled) `torch.compile(model)` of a copy, so that the
-    eager rows run no compiled code. Each attention layer is a graph break (the attention call runs eagerly) and its
-    frame compiles once per layer (transformers' `layer_idx`): the recompile limit is raised to hold them all."""
+    eager rows run no compiled code. A step over a StaticCache is one graph (MoBA's attention is a custom op); where
+    a model breaks the graph per layer, its frames compile once per layer (transformers' `layer_idx`): the recompile
+    limit is raised to hold them all."""
     import copy
 
     forwards = {kind: model for kind in caches if kind != "compiled"}
