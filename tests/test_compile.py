@@ -188,3 +188,27 @@ def test_compiled_steps_over_a_cache_filled_elsewhere_keep_the_block_state_besid
     assert _graph_breaks() == breaks
     layers = model.config.num_hidden_layers
     assert (calls.decodes, calls.builds) == (steps * layers, layers)
+
+
+def test_compiled_generate_with_a_static_cache_runs_one_graph_per_step(one_thread, monkeypatch):
+    """`model.compile()` then `generate(..., cache_implementation="static")`, a left-padded batch: the prefill and
+    every step run compiled without a graph break (the attention is the custom op), the block state is built at the
+    prefill and appended to after, and the tokens are eager's."""
+    torch._dynamo.reset()
+    eager = tiny_model("llama", CASES["moba"], pad_token_id=0)
+    model = copy.deepcopy(eager)
+    model.compile()
+    ids, mask = _left_padded((13, 8))
+
+    def generate(m):
+        kwargs = dict(max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+        return m.generate(ids, attention_mask=mask, cache_implementation="static", **kwargs)
+
+    want = generate(eager)
+    calls = Spy(monkeypatch)
+    graphs, breaks = _graphs(), _graph_breaks()
+    got = generate(model)
+    assert torch.equal(got, want)
+    assert _graphs() > graphs and _graph_breaks() == breaks
+    layers = TINY["num_hidden_layers"]
+    assert (calls.decodes, calls.builds) == ((NEW - 1) * layers, layers)
