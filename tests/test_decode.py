@@ -940,17 +940,22 @@ def test_sparse_decode_is_tracked(kind, monkeypatch):
         assert sparsity == pytest.approx(1 - 6 / 42)
 
 
-def test_static_cache_sliding_window_layers_refused():
-    """A pre-allocated cache whose layer keeps a window of the last tokens (not every key): refused by name."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_static_cache_sliding_window_layers_refused(compiled):
+    """A pre-allocated cache whose layer keeps a window of the last tokens (not every key): refused by name, also
+    under torch.compile, where the attention runs as a custom op that never sees the cache."""
     from transformers import StaticCache
     from transformers.cache_utils import StaticSlidingWindowLayer
 
     model = tiny_model("llama", MobaConfig(block_size=4, top_k=2))
     cache = StaticCache(config=model.config, max_cache_len=32)
     cache.layers[1] = StaticSlidingWindowLayer(max_cache_len=32, sliding_window=8)
+    if compiled:
+        torch._dynamo.reset()
+    forward = torch.compile(model) if compiled else model
     with pytest.raises(ValueError, match="StaticSlidingWindowLayer"), torch.no_grad():
         for _ in range(2):
-            model(torch.randint(0, 97, (1, 4)), **{CACHE: cache}, use_cache=True)
+            forward(torch.randint(0, 97, (1, 4)), **{CACHE: cache}, use_cache=True)
 
 
 @pytest.mark.cuda

@@ -67,13 +67,18 @@ def _layer_keys(cache: Any, layer_idx: int | None) -> torch.Tensor | None:
     return keys if isinstance(keys, torch.Tensor) else None
 
 
-# The hook runs per layer and token, so it does no more than set the layer's `call` (which the attention function
-# takes: `take_call`). Under torch.compile it runs eagerly (whether the block state is in step is a fact of each call,
-# tensor identity, never of a trace), except over a pre-allocated cache: its layers' block states are kept beside
-# their keys tensors, which the compiled step hands the attention call itself, so that step needs no hook.
+# The hook runs per layer and token, so it does no more than refuse a pre-allocated layer MoBA cannot read and set
+# the layer's `call` (which the attention function takes: `take_call`). Under torch.compile the call is set eagerly
+# (whether the block state is in step is a fact of each call, tensor identity, never of a trace), except over a
+# pre-allocated cache: its layers' block states are kept beside their keys tensors, which the compiled step hands the
+# attention call itself, so that step sets no call and the traced check adds nothing to the graph.
 def _pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    if torch.compiler.is_compiling() and getattr(_find_cache(args, kwargs), "is_compileable", False):
-        return
+    cache = _find_cache(args, kwargs)
+    if getattr(cache, "is_compileable", False):
+        # a few type checks, before the layer's update; traced, a supported layer adds nothing to the graph
+        check_cache_supported(cache, getattr(module, "layer_idx", None))
+        if torch.compiler.is_compiling():
+            return
     _stash_call(module, args, kwargs)
 
 
@@ -432,13 +437,8 @@ def cached_step(
     if padding_mask is not None and padding_mask.dtype != torch.bool:  # packed document ids: never with a cache
         padding_mask = None
     layer = getattr(module, "layer_idx", None)
-    if call is not None:
-        cache = call[0]
-        checked = state.of_cache(cache).checked_layers
-        if layer not in checked:  # once per cache and layer: the kind of a cache's layers is fixed
-            check_cache_supported(cache, layer)
-            checked.add(layer)
-    # a pre-allocated layer's state is kept beside its keys tensor: in step with it whenever found there
+    # the hook has refused a pre-allocated layer MoBA cannot read (`check_cache_supported`); such a layer's state is
+    # kept beside its keys tensor: in step with it whenever found there
     owner, in_step = (stored[0], True) if stored is not None else call
     nq, nk = query.shape[2], key.shape[2]
     decode = plan.sparse_decode(layer) and nq < nk and nq <= DECODE_MAX_QUERIES and layer is not None

@@ -43,7 +43,6 @@ class CacheState:
     """Per KV cache."""
 
     blocks: dict[int, Any] = dataclasses.field(default_factory=dict)  # layer -> `cache.BlockState`
-    checked_layers: set[int] = dataclasses.field(default_factory=set)  # layers `check_cache_supported` passed
 
 
 @dataclasses.dataclass(eq=False)
