@@ -69,16 +69,14 @@ def _layer_keys(cache: Any, layer_idx: int | None) -> torch.Tensor | None:
 
 # The hook runs per layer and token, so it does no more than refuse a pre-allocated layer MoBA cannot read and set
 # the layer's `call` (which the attention function takes: `take_call`). Under torch.compile the call is set eagerly
-# (whether the block state is in step is a fact of each call, tensor identity, never of a trace), except over a
-# pre-allocated cache: its layers' block states are kept beside their keys tensors, which the compiled step hands the
-# attention call itself, so that step sets no call and the traced check adds nothing to the graph.
+# (whether the block state is in step is a fact of each call, tensor identity, never of a trace). A pre-allocated
+# cache needs no call, eager or compiled: its layers' block states are kept beside their keys tensors, which the
+# attention call receives itself; traced, the check adds nothing to the graph for a supported layer.
 def _pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     cache = _find_cache(args, kwargs)
     if getattr(cache, "is_compileable", False):
-        # a few type checks, before the layer's update; traced, a supported layer adds nothing to the graph
-        check_cache_supported(cache, getattr(module, "layer_idx", None))
-        if torch.compiler.is_compiling():
-            return
+        check_cache_supported(cache, getattr(module, "layer_idx", None))  # a few type checks, before the update
+        return
     _stash_call(module, args, kwargs)
 
 

@@ -339,13 +339,17 @@ int moba_decode_step(const float *q, const float *gate_q, int64_t rows, int64_t 
             const float *kr = k + offset, *vr = v + offset;
             int64_t j = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-            for (; j + 8 <= rd->len; j += 8)
+            for (; j + 8 <= rd->len; j += 8) {
+                /* the same keys' value rows on their way into L2 (16 floats a cache line) while these are scored: the
+                 * segment's values stream from memory beside its keys, not after them */
+                for (int64_t c = 0; c < 8 * d; c += 16) _mm_prefetch((const char *)(vr + j * d + c), _MM_HINT_T1);
                 for (int64_t i = 0; i < rd->users; i++) {
                     int64_t r = rd->user[i] / n_seg;
                     float *sr = scores + r * nnz + segs[rd->user[i]].slot + j;
                     dot8(q + r * d, kr + j * d, d, d, sr);
                     for (int c = 0; c < 8; c++) sr[c] *= scale;
                 }
+            }
 #endif
             for (; j < rd->len; j++)
                 for (int64_t i = 0; i < rd->users; i++) {
