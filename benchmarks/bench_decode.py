@@ -27,8 +27,10 @@ context / those keys: with grouped-query attention a KV head reads the blocks of
 
 Model: SmolLM2-135M (30 layers), greedy decode steps after a context of N tokens, one token at a time, per cache
 (`--caches`): "dynamic" (transformers' DynamicCache, which copies the whole cache at every step: that cost is in
-both), "static" (its StaticCache, pre-allocated for N + the steps, written in place) and "compiled" (the static step
-under `torch.compile`, inductor; compiling takes minutes on a small CPU). MoBA and SDPA run in the same cache
+both), "static" (its StaticCache, pre-allocated for N + the steps, written in place), "compiled" (the static step
+under `torch.compile`, inductor; compiling takes minutes on a small CPU) and, not by default, "cudagraphs" (compiled
+with mode="reduce-overhead": on a GPU the step is captured and replayed as a CUDA graph; on a CPU it is "compiled"
+again). MoBA and SDPA run in the same cache
 setting, --rounds rounds each, alternated: a fresh cache filled synthetically (random keys/values at every layer,
 the same for both: a real 16K prefill takes minutes on a small CPU), 2 untimed steps, then --new-tokens timed ones;
 at every thread count of --model-threads (0: torch's default). Checked first: one cached sparse step's logits equal
@@ -196,7 +198,8 @@ class OpCase:
 # --- whole model ----------------------------------------------------------------------------------------------------
 # the caches a whole-model step is timed with: transformers' DynamicCache (copies the whole cache at every step), its
 # StaticCache (pre-allocated, written in place) and the StaticCache step under torch.compile (inductor)
-CACHES = ("dynamic", "static", "compiled")
+CACHES = ("dynamic", "static", "compiled", "cudagraphs")
+COMPILE_MODES = {"compiled": None, "cudagraphs": "reduce-overhead"}  # torch.compile's mode per compiled kind
 WARMUP_STEPS = 2  # untimed steps after the cache is filled: MoBA's block state is built at the first
 
 
@@ -243,18 +246,18 @@ class ModelDecode:
 
 
 def model_forwards(model, caches: list[str]) -> dict[str, object]:
-    """The callable each cache kind steps: the model, or (compiled) `torch.compile(model)` of a copy, so that the
-    eager rows run no compiled code. A step over a StaticCache is one graph (MoBA's attention is a custom op); where
+    """The callable each cache kind steps: the model, or (compiled, cudagraphs) `torch.compile(model)` of a copy, so
+    that the eager rows run no compiled code. A step over a StaticCache is one graph; where
     a model breaks the graph per layer, its frames compile once per layer (transformers' `layer_idx`): the recompile
     limit is raised to hold them all."""
     import copy
 
-    forwards = {kind: model for kind in caches if kind != "compiled"}
-    if "compiled" in caches:
+    forwards = {kind: model for kind in caches if kind not in COMPILE_MODES}
+    for kind in set(caches) & set(COMPILE_MODES):
         torch._dynamo.config.recompile_limit = max(
             torch._dynamo.config.recompile_limit, 4 * model.config.num_hidden_layers
         )
-        forwards["compiled"] = torch.compile(copy.deepcopy(model))
+        forwards[kind] = torch.compile(copy.deepcopy(model), mode=COMPILE_MODES[kind])
     return forwards
 
 
@@ -447,7 +450,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=200, help="op-level repeats")
     parser.add_argument("--new-tokens", type=int, default=8, help="timed model steps per round")
     parser.add_argument("--rounds", type=int, default=3, help="alternating MoBA / SDPA rounds of model steps")
-    parser.add_argument("--caches", nargs="+", choices=CACHES, default=list(CACHES), help="model rows' caches")
+    parser.add_argument("--caches", nargs="+", choices=CACHES, default=list(CACHES[:3]), help="model rows' caches")
     parser.add_argument(
         "--model-threads", type=int, nargs="+", default=[0, 1], help="model rows' torch threads (0: the default)"
     )

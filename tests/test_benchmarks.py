@@ -153,7 +153,7 @@ def test_gpu_check_decode_section_dry_runs_on_the_cpu(tmp_path):
     cmd += ["--decode-op-contexts", "1536", "--decode-model-contexts", "1100", "--decode-layers", "2"]
     res = subprocess.run([*cmd, "--repeats", "1"], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert res.returncode == 0, res.stderr
-    assert "check model 1100 moba: static and compiled steps give tokens" in res.stdout
+    assert "check model 1100 moba: static/compiled steps give tokens" in res.stdout
     table = (tmp_path / "gpu_check.md").read_text()
     for row in ("| op | 1536 |", "| model 2 layers, static | 1100 |", "| model 2 layers, compiled | 1100 |"):
         assert row in table and "FAILED" not in table

@@ -156,6 +156,112 @@ def test_compiled_static_cache_decode_compiles_once_and_equals_eager(name, one_t
         assert calls.decodes == 14 * TINY["num_hidden_layers"] and calls.builds == TINY["num_hidden_layers"]
 
 
+CAPTURED_CASES = {
+    **STATIC_CASES,
+    "sink_local": MobaConfig(block_size=4, top_k=3, sink_blocks=1, local_blocks=1, pooling="bound"),
+    "top_p": MobaConfig(block_size=4, top_k=3, top_p=0.7),
+    "hybrid": MobaConfig(block_size=4, top_k=2, full_attn_layers=1),
+}
+
+
+@pytest.mark.parametrize("name", ["moba", "decode_full", "sink_local", "top_p", "hybrid", "dca"])
+def test_captured_static_decode_runs_device_ops_only_and_equals_eager(name, one_thread, monkeypatch):
+    """Where compiled steps are captured (CUDA; here forced on the CPU), a one-token step over a StaticCache runs
+    `kernels.graph_step` in the graph, no `moba_hf::attention` op (whose body reads the host): after the step that
+    builds the block state, no attention call runs eager code and nothing compiles again. DCA keeps the op (its
+    remapping reads positions on the host). Tokens equal eager's, logits within float32 rounding."""
+    from moba_hf.integration import attention as moba_attention
+    from moba_hf.integration import cache as moba_cache
+
+    torch._dynamo.reset()
+    extra = {"max_position_embeddings": 16} if name == "dca" else {}
+    model = tiny_model("llama", CAPTURED_CASES[name], pad_token_id=0, **extra)
+    ids, mask = _left_padded((13, 8))
+    want, want_logits = _static_decode(model, model, ids, mask, steps=14, warm=14)
+    monkeypatch.setattr(moba_cache, "GRAPH_STEP_DEVICES", frozenset({"cpu"}))
+    eager_calls = []
+    real_eager = moba_attention._eager_forward
+    monkeypatch.setattr(moba_attention, "_eager_forward", lambda *a: eager_calls.append(1) or real_eager(*a))
+    graphs, breaks = _graphs(), _graph_breaks()
+    steps_seen = []
+
+    def step(**kwargs):
+        steps_seen.append(len(eager_calls))
+        return compiled(**kwargs)
+
+    compiled = torch.compile(model)
+    got, logits = _static_decode(step, model, ids, mask, steps=14, warm=1)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=TOL)
+    assert _graph_breaks() == breaks and _graphs() == graphs + 1
+    op_calls = len(eager_calls) - steps_seen[0]  # attention calls that ran eager code during the steps
+    assert op_calls == (14 * TINY["num_hidden_layers"] if name == "dca" else 0)
+
+
+def test_captured_steps_follow_a_cache_prefilled_again_and_refuse_one_refilled_by_other_code(one_thread, monkeypatch):
+    """The block statistics a captured step reads live on the cache's keys tensor and count the slots they cover. A
+    StaticCache reset and prefilled again by the model is read afresh (the prompt rebuilds them, in the same tensor);
+    one refilled by other code (here the same weights under SDPA) leaves them behind its slots, and the captured
+    step stops with an error instead of attending by the old blocks."""
+    from transformers import StaticCache
+
+    import moba_hf
+    from moba_hf.integration import cache as moba_cache
+
+    torch._dynamo.reset()
+    sdpa = tiny_model("llama")
+    model = moba_hf.apply(copy.deepcopy(sdpa), CASES["moba"])
+    monkeypatch.setattr(moba_cache, "GRAPH_STEP_DEVICES", frozenset({"cpu"}))
+    compiled = torch.compile(model)
+    cache = StaticCache(config=model.config, max_cache_len=40)
+
+    def run(prefill, step, ids, steps=6):
+        cache.reset()
+        with torch.no_grad():
+            tokens = [prefill(ids, **{CACHE: cache}, use_cache=True).logits[:, -1:].argmax(-1)]
+            for t in range(steps):
+                position = torch.tensor([[ids.shape[1] + t]])
+                out = step(input_ids=tokens[-1], position_ids=position, **{CACHE: cache}, use_cache=True)
+                tokens.append(out.logits[:, -1:].argmax(-1))
+        return torch.cat(tokens, dim=1)
+
+    for n in (19, 11):  # the second prompt is shorter: the statistics of the first must not survive it
+        ids = torch.randint(1, 97, (1, n))
+        want = run(model, model, ids)
+        assert torch.equal(run(model, compiled, ids), want)
+    with pytest.raises(RuntimeError, match="block statistics behind or ahead of its cache"):
+        run(sdpa, compiled, torch.randint(1, 97, (1, 15)))
+
+
+def test_captured_steps_follow_a_new_moba_config(one_thread, monkeypatch):
+    """The plan a captured step attends by is worked out when the step is traced; assigning the model a new
+    moba_config traces the step again, so the steps after it attend by the new settings, as eager steps do."""
+    from transformers import StaticCache
+
+    from moba_hf.integration import cache as moba_cache
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(moba_cache, "GRAPH_STEP_DEVICES", frozenset({"cpu"}))
+    eager = tiny_model("llama", MobaConfig(block_size=4, top_k=3))
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model)
+    ids = torch.randint(1, 97, (1, 23))
+
+    def run(target, step):
+        cache = StaticCache(config=target.config, max_cache_len=40)
+        with torch.no_grad():
+            logits = [target(ids, **{CACHE: cache}, use_cache=True).logits[:, -1]]
+            for t in range(8):
+                if t == 4:  # own block only from here
+                    target.config.moba_config = MobaConfig(block_size=4, top_k=1).to_dict()
+                token = logits[-1].argmax(-1, keepdim=True)
+                out = step(input_ids=token, position_ids=torch.tensor([[23 + t]]), **{CACHE: cache}, use_cache=True)
+                logits.append(out.logits[:, -1])
+        return torch.stack(logits)
+
+    torch.testing.assert_close(run(model, compiled), run(eager, eager), rtol=0, atol=TOL)
+
+
 def test_compiled_steps_over_a_cache_filled_elsewhere_keep_the_block_state_beside_its_keys(one_thread, monkeypatch):
     """A loop's first compiled call may be a decode step over a StaticCache no eager moba call has seen (here filled
     by the same weights under SDPA): no hook runs in the graph, and the attention op finds each layer's block state

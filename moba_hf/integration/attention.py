@@ -20,9 +20,11 @@ from .. import core, logs
 from ..config import MobaConfig, MobaSettings
 from ..kernels import resolve_backend
 from ..kernels.checks import needs_grad
+from ..kernels.graph_step import graph_decode_step, graph_dense_step
+from . import cache as block_cache
 from . import rope_remap, sparsity, state
-from .cache import cached_step, take_call
-from .layout import is_static_layout, sequence_spans, static_keys
+from .cache import GRAPH_SLOTS, GRAPH_STATS, cached_step, take_call
+from .layout import is_static_layout, sequence_spans, static_keys, static_slots
 from .support import SUPPORTED_MODEL_TYPES, check_supported  # noqa: F401 - re-exported
 
 
@@ -117,7 +119,10 @@ def moba_attention_forward(
     opaque to the graph: over a pre-allocated cache (no autograd) one custom op, `moba_hf::attention`, that the graph
     calls like any kernel; otherwise an eager call (a graph break per layer)."""
     if torch.compiler.is_compiling() and is_static_layout(attention_mask) and not needs_grad(query, key, value):
-        return _compiled_call(module, query, key, value, attention_mask, scaling, dropout, kwargs), None
+        out = _captured_step(module, query, key, value, attention_mask, scaling, dropout, kwargs)
+        if out is None:
+            out = _compiled_call(module, query, key, value, attention_mask, scaling, dropout, kwargs)
+        return out, None
     return _eager_forward(module, take_call(module), query, key, value, attention_mask, scaling, dropout, kwargs), None
 
 
@@ -130,6 +135,65 @@ def _compiled_call(module, query, key, value, layout, scaling, dropout, kwargs) 
     return torch.ops.moba_hf.attention(
         query, key, value, layout, position_ids, _module_token(module), scaling, dropout, window, softcap, s_aux
     )
+
+
+def _captured_step(module, query, key, value, layout, scaling, dropout, kwargs) -> torch.Tensor | None:
+    """A one-token step over a pre-allocated cache as device ops only (`kernels.graph_step`): what a CUDA graph can
+    capture, on `block_cache.GRAPH_STEP_DEVICES`. None where the step takes the op instead: another device, several new
+    tokens, options the op refuses, DCA (its remapping reads positions on the host), a sparsity tracker open (it
+    counts on the host), or a sparse layer whose block state the op has not built yet (the next step recompiles
+    and finds it)."""
+    if (
+        query.shape[2] != 1
+        or query.device.type not in block_cache.GRAPH_STEP_DEVICES
+        or dropout
+        or sparsity.tracking_anywhere()
+    ):
+        return None
+    if any(kwargs.get(name) is not None for name in ("sliding_window", "softcap", "s_aux")):
+        return None
+    # the settings' identity is an argument: dynamo guards it, so a new moba_config traces the step again
+    route = _captured_route(_module_token(module), id(vars(module.config).get("moba_config")))
+    if route is None:
+        return None
+    real, last = static_slots(layout)
+    if not isinstance(route, core.BlockPlan):  # "dense"
+        out = graph_dense_step(query, key, value, real, last, scaling)
+        return out.transpose(1, 2).contiguous()
+    stats, slots = getattr(key, GRAPH_STATS, None), getattr(key, GRAPH_SLOTS, None)
+    if stats is None:
+        return None
+    # the statistics must cover the slots before this token: a cache refilled by other code since would be read wrong
+    torch._assert_async(
+        slots == last, "moba_hf: a captured decode step found block statistics behind or ahead of its cache"
+    )
+    out = graph_decode_step(query, key, value, stats, real, last, route, scaling)
+    slots.copy_(last + 1)
+    return out.transpose(1, 2).contiguous()
+
+
+# the settings a captured route was worked out for, by identity: kept alive, so that no later settings object takes
+# the identity of one a traced step was guarded on
+_traced_settings: dict[int, Any] = {}
+
+
+@torch._dynamo.assume_constant_result
+def _captured_route(token: int, settings_id: int) -> core.BlockPlan | str | None:
+    """How a captured one-token step of the module numbered `token` attends: "dense", the decode steps' `BlockPlan`
+    (sparse), or None (the op). Worked out when the step is traced, from the plan the module's config resolves to
+    (settings_id: the identity of its stored settings when traced)."""
+    module = state.module_of(token)
+    plan = resolved_config(module).plan
+    settings = vars(module.config).get("moba_config")
+    if id(settings) != settings_id:  # stored anew while resolved (a preset's name): the next step traces again
+        return None
+    _traced_settings[settings_id] = settings
+    if plan.dca is not None:
+        return None
+    layer = getattr(module, "layer_idx", None)
+    if core.runs_dense(plan, 1, plan.dense_layer(layer)):
+        return "dense"
+    return plan.blocks(1).sparse if plan.sparse_decode(layer) and layer is not None else None
 
 
 @torch._dynamo.assume_constant_result

@@ -176,9 +176,12 @@ class BlockState:
     common_start: the position every row starts at, None where rows start apart (starts, kept on the host).
     """
 
-    def __init__(self, keys: torch.Tensor, block_size: int, pooling: str, capacity: int = 0) -> None:
+    def __init__(
+        self, keys: torch.Tensor, block_size: int, pooling: str, capacity: int = 0, reuse: torch.Tensor | None = None
+    ) -> None:
         """keys: [B, Hkv, N, D], the cache the state is for (read for its shape, dtype and device); capacity:
-        tokens to allocate room for at once (a pre-allocated cache's max_cache_len), 0: grow as tokens come."""
+        tokens to allocate room for at once (a pre-allocated cache's max_cache_len), 0: grow as tokens come;
+        reuse: statistics of a former state of that capacity, emptied and kept (the tensor a captured graph reads)."""
         b, hkv, _, d = keys.shape
         self.block_size = block_size
         self.pooling = pooling
@@ -199,7 +202,11 @@ class BlockState:
         self.contiguous = True  # every row's real tokens run without a gap to the end of the cache
         self.keys_ref: weakref.ref | None = None
         if capacity:
-            self._reserve(-(-capacity // block_size))
+            n_blocks = -(-capacity // block_size)
+            if reuse is not None and reuse.shape == (b, hkv, n_blocks, self.pool.width) and reuse.dtype == self.dtype:
+                self.stats = reuse.copy_(self.pool.empty(b, hkv, n_blocks, dtype=self.dtype, device=keys.device))
+                self.pooled = keys.new_zeros(b, hkv, n_blocks, self.pool.width, dtype=self.dtype)
+            self._reserve(n_blocks)  # (room for them all: nothing to add where reused)
 
     @property
     def counts(self) -> torch.Tensor:
@@ -377,14 +384,37 @@ def block_state(
         if running is not None:
             logger.debug("moba_hf: layer %s block state out of date; rebuilding from %d cached keys", layer_idx, nk)
         capacity = 0 if stored is None else stored.shape[2]
-        running = BlockState(keys, plan.block_size, plan.pooling, capacity)
+        reuse = None if stored is None else getattr(stored, GRAPH_STATS, None)
+        running = BlockState(keys, plan.block_size, plan.pooling, capacity, reuse)
         states[layer_idx] = running
     real = None if padding_mask is None else padding_mask[:, running.n : nk]
     running.append(keys[:, :, running.n :], real)
     if stored is None:  # the cache's own tensor (what the hook compares at the next call)
         stored = _layer_keys(owner, layer_idx)
+    elif stored.device.type in GRAPH_STEP_DEVICES:
+        _share_with_graph_steps(stored, running)
     running.keys_ref = weakref.ref(keys if stored is None else stored)
     return running
+
+
+# --- the block state of captured steps ------------------------------------------------------------------------------
+# On these devices a compiled one-token step over a pre-allocated cache runs `kernels.graph_step` (fixed shapes, no
+# host read: a CUDA graph can capture it) instead of the `moba_hf::attention` op; both compute the same attention.
+# Such a step finds its layer's statistics on the keys tensor it receives, GRAPH_STATS, with GRAPH_SLOTS: the cache
+# slots they cover (a 0-d tensor). Each eager or op call that keeps the state sets both; each captured step merges
+# its key into the statistics and moves the count on (the host's `BlockState` is then behind: its next call rebuilds
+# it, into the same tensor).
+GRAPH_STEP_DEVICES = frozenset({"cuda"})
+GRAPH_STATS, GRAPH_SLOTS = "moba_block_stats", "moba_block_slots"
+
+
+def _share_with_graph_steps(stored: torch.Tensor, running: BlockState) -> None:
+    if getattr(stored, GRAPH_STATS, None) is not running.stats:
+        setattr(stored, GRAPH_STATS, running.stats)
+        setattr(stored, GRAPH_SLOTS, torch.zeros((), dtype=torch.long, device=stored.device))
+        for t in (running.stats, getattr(stored, GRAPH_SLOTS)):  # at a fixed address, as the cache's own tensors
+            torch._dynamo.mark_static_address(t)
+    getattr(stored, GRAPH_SLOTS).fill_(running.n)
 
 
 def state_owner(cache: Any, layer_idx: int | None) -> Any:
@@ -444,7 +474,9 @@ def cached_step(
     running = None
     if layer is not None:
         keys = None if stored is None else stored[0]
-        running = block_state(owner, layer, key, in_step, padding_mask, plan, new=nq, create=decode, stored=keys)
+        # where steps are captured, a prompt builds the state too: no eager code runs at those steps to build it
+        create = decode or (keys is not None and keys.device.type in GRAPH_STEP_DEVICES and plan.sparse_decode(layer))
+        running = block_state(owner, layer, key, in_step, padding_mask, plan, new=nq, create=create, stored=keys)
     if not decode or running is None or not running.contiguous_rows() or running.min_count < nq:
         return None
     tracking = sparsity.tracking()  # the selection is asked for only when it is recorded

@@ -206,3 +206,11 @@ def static_keys(layout: torch.Tensor) -> tuple[int, torch.Tensor | None]:
     answer = (written, None if bool(real.all()) else real)
     _last_static.value = (weakref.ref(layout), layout._version, answer)
     return answer
+
+
+def static_slots(layout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(real, last) of a one-token step's `static_layout`, as tensors only (nothing read on the host, so a captured
+    graph replays it): real, bool [B, slots], the written slots holding real tokens; last, the new token's slot
+    (0-d: every row writes the same one)."""
+    rows = layout[:, 0, 0]
+    return rows == REAL, (rows[0] != UNWRITTEN).sum() - 1

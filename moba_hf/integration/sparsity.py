@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import threading
 from collections.abc import Callable, Iterator
 
 import torch
@@ -15,6 +16,9 @@ import torch
 from ..kernels.plan import BlockPlan
 
 # the trackers open in this thread (or asyncio task): a forward in another thread records into its own
+# trackers open in every thread together (what `tracking_anywhere` reads)
+_open_anywhere = 0
+_open_lock = threading.Lock()
 _active: contextvars.ContextVar[tuple[SparsityStats, ...]] = contextvars.ContextVar("moba_hf_sparsity", default=())
 
 
@@ -71,16 +75,27 @@ def track_sparsity() -> Iterator[SparsityStats]:
 
     Counts the forwards run in the thread (or asyncio task) that opened it, nested trackers each; forwards that
     other threads run meanwhile are theirs alone."""
+    global _open_anywhere
     stats = SparsityStats()
     _active.set((*_active.get(), stats))
+    with _open_lock:
+        _open_anywhere += 1
     try:
         yield stats
     finally:  # by identity: trackers closed in any order remove themselves, not an equal sibling
         _active.set(tuple(open_ for open_ in _active.get() if open_ is not stats))
+        with _open_lock:
+            _open_anywhere -= 1
 
 
 def tracking() -> bool:
     return bool(_active.get())
+
+
+def tracking_anywhere() -> bool:
+    """Whether a tracker is open in any thread: a plain number, which a compiled step reads (and guards on) where
+    it could not read the context variable."""
+    return _open_anywhere > 0
 
 
 def record(layer: int, attended: int, causal: int, backend: str) -> None:

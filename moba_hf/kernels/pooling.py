@@ -201,9 +201,9 @@ def gate_queries(q: torch.Tensor, pooling: str) -> torch.Tensor:
     if pooling == "mean+max":
         return torch.cat([q, q], dim=-1)
     if pooling == "bound":
-        if torch.is_grad_enabled() and q.requires_grad:
+        if (torch.is_grad_enabled() and q.requires_grad) or torch.compiler.is_compiling():
             return torch.cat([q.clamp(min=0), (-q).clamp(min=0)], dim=-1)
-        d = q.shape[-1]  # selection (no grad): the halves written into one buffer, no concatenation pass
+        d = q.shape[-1]  # eager selection (no grad): the halves written into one buffer, no concatenation pass
         features = q.new_empty((*q.shape[:-1], 2 * d))
         torch.clamp(q, min=0, out=features[..., :d])
         torch.neg(q, out=features[..., d:]).clamp_(min=0)
