@@ -113,7 +113,7 @@ def _static_decode(step, model, ids, mask, steps: int, warm: int):
 
     capacity = ids.shape[1] + steps
     cache = StaticCache(config=model.config, max_cache_len=capacity)
-    full = torch.zeros(ids.shape[0], capacity, dtype=torch.long)
+    full = torch.zeros(ids.shape[0], capacity, dtype=torch.long, device=ids.device)
     full[:, : ids.shape[1]] = mask
     with torch.no_grad():
         out = model(ids, attention_mask=mask, cache=cache, use_cache=True)
@@ -318,3 +318,21 @@ def test_compiled_generate_with_a_static_cache_runs_one_graph_per_step(one_threa
     assert _graphs() > graphs and _graph_breaks() == breaks
     layers = TINY["num_hidden_layers"]
     assert (calls.decodes, calls.builds) == ((NEW - 1) * layers, layers)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["moba", "decode_full"])
+def test_cuda_graph_steps_are_captured_and_equal_eager(name):
+    """On a GPU, `mode="reduce-overhead"`: every one-token step over a StaticCache is captured as a CUDA graph
+    (inductor skips none) and the tokens are eager's."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_model("llama", CASES[name], pad_token_id=0).cuda()
+    ids, mask = _left_padded((13, 8))
+    ids, mask = ids.cuda(), mask.cuda()
+    want, _ = _static_decode(model, model, ids, mask, steps=12, warm=12)
+    got, _ = _static_decode(torch.compile(model, mode="reduce-overhead"), model, ids, mask, steps=12, warm=1)
+    assert torch.equal(got, want)
+    assert not {key: n for key, n in counters["inductor"].items() if "cudagraph_skip" in key}
