@@ -30,7 +30,8 @@ Model: SmolLM2-135M (30 layers), greedy decode steps after a context of N tokens
 both), "static" (its StaticCache, pre-allocated for N + the steps, written in place), "compiled" (the static step
 under `torch.compile`, inductor; compiling takes minutes on a small CPU) and, not by default, "cudagraphs" (compiled
 with mode="reduce-overhead": on a GPU the step is captured and replayed as a CUDA graph; on a CPU it is "compiled"
-again). MoBA and SDPA run in the same cache
+again) and "captured" (compiled, MoBA's one-token steps as `kernels.graph_step`'s device ops on any device: on a GPU
+what "compiled" runs, on a CPU the alternative to the op's native step). MoBA and SDPA run in the same cache
 setting, --rounds rounds each, alternated: a fresh cache filled synthetically (random keys/values at every layer,
 the same for both: a real 16K prefill takes minutes on a small CPU), 2 untimed steps, then --new-tokens timed ones;
 at every thread count of --model-threads (0: torch's default). Checked first: one cached sparse step's logits equal
@@ -198,8 +199,9 @@ class OpCase:
 # --- whole model ----------------------------------------------------------------------------------------------------
 # the caches a whole-model step is timed with: transformers' DynamicCache (copies the whole cache at every step), its
 # StaticCache (pre-allocated, written in place) and the StaticCache step under torch.compile (inductor)
-CACHES = ("dynamic", "static", "compiled", "cudagraphs")
-COMPILE_MODES = {"compiled": None, "cudagraphs": "reduce-overhead"}  # torch.compile's mode per compiled kind
+CACHES = ("dynamic", "static", "compiled", "cudagraphs", "captured")
+# torch.compile's mode per compiled kind ("captured": the default mode, the captured step on any device)
+COMPILE_MODES = {"compiled": None, "cudagraphs": "reduce-overhead", "captured": None}
 WARMUP_STEPS = 2  # untimed steps after the cache is filled: MoBA's block state is built at the first
 
 
@@ -258,7 +260,25 @@ def model_forwards(model, caches: list[str]) -> dict[str, object]:
             torch._dynamo.config.recompile_limit, 4 * model.config.num_hidden_layers
         )
         forwards[kind] = torch.compile(copy.deepcopy(model), mode=COMPILE_MODES[kind])
+    if "captured" in forwards:
+        forwards["captured"] = captured(forwards["captured"], model.device.type)
     return forwards
+
+
+def captured(forward, device_type: str):
+    """`forward` with one-token steps over a StaticCache captured on `device_type` too (`kernels.graph_step`, what a
+    GPU runs; on a CPU the op's native step is the default), for its calls only: the other kinds keep the default."""
+    from moba_hf.integration import cache as moba_cache
+
+    def step(**kwargs):
+        default = moba_cache.GRAPH_STEP_DEVICES
+        moba_cache.GRAPH_STEP_DEVICES = default | {device_type}
+        try:
+            return forward(**kwargs)
+        finally:
+            moba_cache.GRAPH_STEP_DEVICES = default
+
+    return step
 
 
 def check_model_tokens(forwards: dict[str, object], model, context: int, tokens: int) -> list[int]:
