@@ -229,8 +229,45 @@ def test_captured_steps_follow_a_cache_prefilled_again_and_refuse_one_refilled_b
         ids = torch.randint(1, 97, (1, n))
         want = run(model, model, ids)
         assert torch.equal(run(model, compiled, ids), want)
-    with pytest.raises(RuntimeError, match="block statistics behind or ahead of its cache"):
+    with pytest.raises(RuntimeError, match="block statistics behind or ahead of the cache"):
         run(sdpa, compiled, torch.randint(1, 97, (1, 15)))
+
+
+def test_a_step_under_a_sparsity_tracker_is_counted_and_the_next_ones_are_captured_again(one_thread, monkeypatch):
+    """`track_sparsity` counts on the host: while one is open (in any thread) a compiled step takes the op and is
+    counted, per layer and as a decode step; once it closes the steps are captured again (no eager call)."""
+    from transformers import StaticCache
+
+    import moba_hf
+    from moba_hf.integration import attention as moba_attention
+    from moba_hf.integration import cache as moba_cache
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(moba_cache, "GRAPH_STEP_DEVICES", frozenset({"cpu"}))
+    model = tiny_model("llama", CASES["moba"])
+    compiled = torch.compile(model)
+    eager_calls = []
+    real_eager = moba_attention._eager_forward
+    monkeypatch.setattr(moba_attention, "_eager_forward", lambda *a: eager_calls.append(1) or real_eager(*a))
+    cache = StaticCache(config=model.config, max_cache_len=40)
+    ids = torch.randint(1, 97, (1, 21))
+    with torch.no_grad():
+        token = model(ids, **{CACHE: cache}, use_cache=True).logits[:, -1:].argmax(-1)
+
+        def step(t):
+            out = compiled(input_ids=token, position_ids=torch.tensor([[21 + t]]), **{CACHE: cache}, use_cache=True)
+            return out.logits[:, -1:].argmax(-1)
+
+        token = step(0)
+        before = len(eager_calls)
+        with moba_hf.track_sparsity() as stats:
+            token = step(1)
+        assert len(eager_calls) == before + TINY["num_hidden_layers"]
+        assert set(stats.per_layer()) == set(range(TINY["num_hidden_layers"]))
+        assert all(0 < s < 1 for s in stats.per_layer().values())  # block 4 / top 2 of 6 blocks: sparse
+        for t in (2, 3):
+            token = step(t)
+    assert len(eager_calls) == before + TINY["num_hidden_layers"]
 
 
 def test_captured_steps_follow_a_new_moba_config(one_thread, monkeypatch):

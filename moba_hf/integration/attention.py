@@ -163,14 +163,19 @@ def _captured_step(module, query, key, value, layout, scaling, dropout, kwargs) 
     stats, slots = getattr(key, GRAPH_STATS, None), getattr(key, GRAPH_SLOTS, None)
     if stats is None:
         return None
-    # the statistics must cover the slots before this token: a cache refilled by other code since would be read wrong
-    torch._assert_async(
-        slots == last, "moba_hf: a captured decode step found block statistics behind or ahead of its cache"
-    )
+    # the statistics must cover the slots before this token: a cache refilled by other code or cropped since would be
+    # read wrong (a captured step cannot rebuild them: that reads the host)
+    torch._assert_async(slots == last, STALE_STATS)
     out = graph_decode_step(query, key, value, stats, real, last, route, scaling)
     slots.copy_(last + 1)
     return out.transpose(1, 2).contiguous()
 
+
+STALE_STATS = (
+    "moba_hf: a captured decode step found its layer's block statistics behind or ahead of the cache (written by "
+    "other code, or cropped, since): one forward of the model over the cache's latest tokens outside the captured "
+    "steps (a prompt, several tokens, or an eager step) rebuilds them"
+)
 
 # the settings a captured route was worked out for, by identity: kept alive, so that no later settings object takes
 # the identity of one a traced step was guarded on

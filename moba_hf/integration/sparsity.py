@@ -15,10 +15,10 @@ import torch
 
 from ..kernels.plan import BlockPlan
 
-# the trackers open in this thread (or asyncio task): a forward in another thread records into its own
 # trackers open in every thread together (what `tracking_anywhere` reads)
 _open_anywhere = 0
 _open_lock = threading.Lock()
+# the trackers open in this thread (or asyncio task): a forward in another thread records into its own
 _active: contextvars.ContextVar[tuple[SparsityStats, ...]] = contextvars.ContextVar("moba_hf_sparsity", default=())
 
 
