@@ -105,6 +105,18 @@ def test_compiled_smollm2_training_free_generates_as_eager():
     assert _graphs() > graphs  # generate ran the compiled forward
 
 
+def _greedy_steps(cache, prefill, step, ids, steps: int) -> torch.Tensor:
+    """The prompt `ids` [1, N] through `prefill` into `cache`, then `steps` greedy one-token steps through `step`:
+    the tokens [1, steps + 1]."""
+    with torch.no_grad():
+        tokens = [prefill(ids, **{CACHE: cache}, use_cache=True).logits[:, -1:].argmax(-1)]
+        for t in range(steps):
+            position = torch.tensor([[ids.shape[1] + t]])
+            out = step(input_ids=tokens[-1], position_ids=position, **{CACHE: cache}, use_cache=True)
+            tokens.append(out.logits[:, -1:].argmax(-1))
+    return torch.cat(tokens, dim=1)
+
+
 def _static_decode(step, model, ids, mask, steps: int, warm: int):
     """Prefill `ids` eagerly into a StaticCache, then `steps` greedy steps through `step` (the model or its compiled
     forward), each with fixed-shape inputs: the next token, its positions and a mask of all the cache's slots. After
@@ -215,15 +227,9 @@ def test_captured_steps_follow_a_cache_prefilled_again_and_refuse_one_refilled_b
     compiled = torch.compile(model)
     cache = StaticCache(config=model.config, max_cache_len=40)
 
-    def run(prefill, step, ids, steps=6):
+    def run(prefill, step, ids):
         cache.reset()
-        with torch.no_grad():
-            tokens = [prefill(ids, **{CACHE: cache}, use_cache=True).logits[:, -1:].argmax(-1)]
-            for t in range(steps):
-                position = torch.tensor([[ids.shape[1] + t]])
-                out = step(input_ids=tokens[-1], position_ids=position, **{CACHE: cache}, use_cache=True)
-                tokens.append(out.logits[:, -1:].argmax(-1))
-        return torch.cat(tokens, dim=1)
+        return _greedy_steps(cache, prefill, step, ids, steps=6)
 
     for n in (19, 11):  # the second prompt is shorter: the statistics of the first must not survive it
         ids = torch.randint(1, 97, (1, n))
@@ -315,13 +321,7 @@ def test_compiled_steps_over_a_cache_filled_elsewhere_keep_the_block_state_besid
 
     def run(step):
         cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + steps)
-        with torch.no_grad():
-            tokens = [sdpa(ids, **{CACHE: cache}, use_cache=True).logits[:, -1:].argmax(-1)]
-            for t in range(steps):
-                position = torch.tensor([[ids.shape[1] + t]])
-                out = step(input_ids=tokens[-1], position_ids=position, **{CACHE: cache}, use_cache=True)
-                tokens.append(out.logits[:, -1:].argmax(-1))
-        return torch.cat(tokens, dim=1)
+        return _greedy_steps(cache, sdpa, step, ids, steps)
 
     want = run(model)
     calls = Spy(monkeypatch)
