@@ -4,9 +4,9 @@ statistics equal to a recount, and traced whole, once for every step (no host re
 import pytest
 import torch
 
-from moba_hf.kernels import moba_attention_reference
+from moba_hf.kernels import causal_attention, moba_attention_reference
 from moba_hf.kernels.checks import gate_dtype
-from moba_hf.kernels.graph_step import graph_decode_step
+from moba_hf.kernels.graph_step import graph_decode_step, graph_dense_step
 from moba_hf.kernels.plan import BlockPlan
 from moba_hf.kernels.pooling import BlockStats
 
@@ -87,6 +87,42 @@ def test_graph_step_equals_the_reference_and_keeps_the_block_statistics(case, la
         got = graph_decode_step(q, k, v, stats, real, last, plan)
         torch.testing.assert_close(got, _want(q, k, v, real, last, plan), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(stats, _recount(k, real, bs, plan.gate.pooling), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_graph_dense_step_equals_dense_attention_over_each_rows_real_tokens(layout):
+    """A dense layer's or decode="full"'s captured step: causal attention of the new token over its row's real
+    tokens (zeros for a pad), GQA, a NaN value in a pad slot reaching no row."""
+    case = (3, 6, 2, 50, 8, 8, 3, "mean", 0, 0, None)
+    q, k, v, real, last, _ = _inputs(case, 41, layout)
+    pad_slots = (~real[:, :41]).nonzero()
+    v[pad_slots[:, 0], :, pad_slots[:, 1]] = float("nan")
+    got = graph_dense_step(q, k, v, real, last)
+    for r in range(q.shape[0]):
+        if real[r, last]:
+            want = causal_attention(q[r : r + 1], k[r : r + 1, :, real[r]], v[r : r + 1, :, real[r]])
+        else:
+            want = torch.zeros_like(q[r : r + 1])
+        torch.testing.assert_close(got[r : r + 1], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda a: {**a, "q": a["q"].expand(-1, -1, 2, -1)}, "one new token per row"),
+        (lambda a: {**a, "real": a["real"].to(torch.int8)}, "real must be a bool"),
+        (lambda a: {**a, "real": a["real"][:, :-1]}, "real must be a bool"),
+        (lambda a: {**a, "last": a["last"].view(1)}, "last must be a 0-d integer"),
+        (lambda a: {**a, "stats": a["stats"][:, :, :3]}, "stats must be"),
+        (lambda a: {**a, "v": a["v"][:, :, :-1]}, "k and v must have the same shape"),
+    ],
+)
+def test_graph_step_refuses_bad_arguments_by_name(change, match):
+    case = (2, 4, 2, 40, 8, 8, 3, "mean", 0, 0, None)
+    q, k, v, real, last, stats = _inputs(case, 30, "left_padded")
+    args = change({"q": q, "k": k, "v": v, "stats": stats, "real": real, "last": last})
+    with pytest.raises(ValueError, match=match):
+        graph_decode_step(**args, plan=_plan(case))
 
 
 def test_graph_step_in_bfloat16_scores_in_float32_as_the_reference():

@@ -150,7 +150,7 @@ def _captured_step(module, query, key, value, layout, scaling, dropout, kwargs) 
         or sparsity.tracking_anywhere()
     ):
         return None
-    if any(kwargs.get(name) is not None for name in ("sliding_window", "softcap", "s_aux")):
+    if any(kwargs.get(name) is not None for name in _OPTIONS[1:]):  # options the op refuses (position_ids aside)
         return None
     # the settings' identity is an argument: dynamo guards it, so a new moba_config traces the step again
     route = _captured_route(_module_token(module), id(vars(module.config).get("moba_config")))

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import gate_dtype
+from .checks import check_shapes, gate_dtype
 from .plan import BlockPlan
 from .pooling import BlockStats, gate_queries
 from .selection import choose_blocks
@@ -46,16 +46,22 @@ def graph_decode_step(
     blocks of its real tokens before this step; the new key is merged in place where it is real.
     Returns [B, Hq, 1, D] in q's dtype: `moba_attention` of the new token over its row's real tokens (zeros for a
     row whose new token is a pad, as the padded paths give a pad query)."""
+    check_step_args(q, k, v, real, last)
     b, hq, _, d = q.shape
     hkv, n_slots = k.shape[1], k.shape[2]
-    dev = q.device
     bs, gate = plan.block_size, plan.gate
     pool = BlockStats(gate.pooling, d)  # (not `of`: its cache is C code, which a trace cannot enter)
+    if stats.dim() != 4 or stats.shape[:2] != (b, hkv) or stats.shape[2] * bs < n_slots or stats.shape[3] != pool.width:
+        raise ValueError(
+            f"stats must be [B={b}, Hkv={hkv}, at least {-(-n_slots // bs)} blocks of {bs}, {pool.width}], got shape "
+            f"{tuple(stats.shape)}"
+        )
+    dev = q.device
     nb = stats.shape[2]
     rows = torch.arange(b, device=dev)
 
     # the new token, and the tokens of each row so far
-    new_real = real.gather(1, last.view(1, 1).expand(b, 1)).squeeze(1)  # [B]
+    new_real = _new_is_real(real, last)  # [B]
     count = real.sum(dim=-1)  # [B], the new token included where real
     block = (count - 1).clamp(min=0) // bs  # the new token's block [B]
     x = k.index_select(2, last.view(1))[:, :, 0].to(stats.dtype)  # [B, Hkv, D]
@@ -93,15 +99,9 @@ def graph_decode_step(
     kv_head = torch.arange(hq, device=dev) // g
     run = (rows[:, None] * hkv + kv_head)[:, :, None] * n_slots  # [B, Hq, 1]: each query head's KV run
     index = (run + slot).flatten()
-    dtype = gate_dtype(q.dtype)
-    k_sel = k.reshape(-1, d).index_select(0, index).view(b, hq, -1, d).to(dtype)
-    v_sel = v.reshape(-1, d).index_select(0, index).view(b, hq, -1, d).to(dtype)
-
-    s = q.to(dtype) @ k_sel.transpose(-1, -2)  # [B, Hq, 1, S]
-    probs = (s * (d**-0.5 if scale is None else scale)).masked_fill(~valid[:, :, None], float("-inf")).softmax(-1)
-    # a slot not attended adds nothing, even where its value is NaN or inf (an attended one shows it)
-    out = probs @ torch.where(valid[..., None], v_sel, 0.0)
-    return torch.where(new_real[:, None, None, None], out, 0.0).to(q.dtype)
+    k_sel = k.reshape(-1, d).index_select(0, index).view(b, hq, -1, d)
+    v_sel = v.reshape(-1, d).index_select(0, index).view(b, hq, -1, d)
+    return _attend(q, k_sel, v_sel, valid, new_real, scale)  # [B, Hq, 1, D]
 
 
 def graph_dense_step(
@@ -114,11 +114,40 @@ def graph_dense_step(
 ) -> torch.Tensor:
     """Dense attention of each row's new token over its row's real tokens, in fixed shapes (`graph_decode_step`'s
     arguments, without block statistics): a dense layer's or `decode = "full"`'s step. Returns [B, Hq, 1, D]."""
+    check_step_args(q, k, v, real, last)
     b, hq, _, d = q.shape
     hkv = k.shape[1]
-    new_real = real.gather(1, last.view(1, 1).expand(b, 1)).squeeze(1)
+    # the query heads of a KV head as its rows: [B, Hkv, g, D] against the cache's [B, Hkv, L, D]
+    out = _attend(q.reshape(b, hkv, hq // hkv, d), k, v, real[:, None], _new_is_real(real, last), scale)
+    return out.view(b, hq, 1, d)
+
+
+def check_step_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor, last: torch.Tensor) -> None:
+    """The checks the captured steps share (shapes only: traced, they cost the graph nothing)."""
+    check_shapes(q, k, v)
+    b, _, nq, _ = q.shape
+    n_slots = k.shape[2]
+    if nq != 1:
+        raise ValueError(f"a captured step takes one new token per row: q must be [B, Hq, 1, D], got {tuple(q.shape)}")
+    if real.dtype != torch.bool or real.shape != (b, n_slots):
+        raise ValueError(f"real must be a bool [B={b}, slots={n_slots}] tensor, got {real.dtype} {tuple(real.shape)}")
+    if last.dim() != 0 or last.is_floating_point():
+        raise ValueError(
+            f"last must be a 0-d integer tensor (the new token's slot), got {last.dtype} {tuple(last.shape)}"
+        )
+
+
+def _new_is_real(real: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """Whether each row's new token (at slot `last`) is real: bool [B]."""
+    return real.gather(1, last.view(1, 1).expand(real.shape[0], 1)).squeeze(1)
+
+
+def _attend(q, k, v, valid, new_real, scale) -> torch.Tensor:
+    """Softmax attention of q [..., M, D] over k, v [..., S, D] where `valid` [..., S] (broadcast over the rows M),
+    in `gate_dtype`; zeros for the rows whose new token is a pad (new_real [B]). A key not attended adds nothing,
+    even where its value is NaN or inf (an attended one shows it)."""
     dtype = gate_dtype(q.dtype)
-    s = q.to(dtype).view(b, hkv, hq // hkv, d) @ k.to(dtype).transpose(-1, -2)  # [B, Hkv, g, L]
-    probs = (s * (d**-0.5 if scale is None else scale)).masked_fill(~real[:, None, None], float("-inf")).softmax(-1)
-    out = probs @ torch.where(real[:, None, :, None], v.to(dtype), 0.0)  # a pad's value reaches no row
-    return torch.where(new_real[:, None, None, None], out.view(b, hq, 1, d), 0.0).to(q.dtype)
+    s = q.to(dtype) @ k.to(dtype).transpose(-1, -2)
+    probs = (s * (q.shape[-1] ** -0.5 if scale is None else scale)).masked_fill(~valid[..., None, :], float("-inf"))
+    out = probs.softmax(-1) @ torch.where(valid[..., None], v.to(dtype), 0.0)
+    return torch.where(new_real[:, None, None, None], out, 0.0).to(q.dtype)
